@@ -1,0 +1,40 @@
+"""hydrahead-jax: head-level hybrid softmax / linear attention for long-context LLMs, in JAX."""
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.11.2",
+    "flax>=0.12",
+    "optax>=0.2.5",
+    "orbax-checkpoint>=0.11",
+    "grain>=0.2.12",
+    "tensorstore>=0.1.70",
+    "ml-collections>=1.0",
+    "absl-py",
+    "numpy",
+    "gguf>=0.17",
+    "tokenizers>=0.21",
+    "safetensors>=0.5",
+    "tqdm",
+    "matplotlib",
+    "tensorboardX",
+    "pyarrow",
+]
+
+setup(
+    name="hydrahead-jax",
+    version="0.1.0",
+    description=__doc__,
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else __doc__,
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12",
+    packages=find_packages(include=["hydrahead_jax", "hydrahead_jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    py_modules=[],
+    install_requires=CORE,
+    extras_require={
+        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0 per DESIGN.md §7).
+        "dev": ["pytest", "pytest-xdist", "hypothesis", "torch==2.13.0", "transformers>=5.0"],
+        "gpu": ["jax[cuda12]>=0.11.2"],
+        "tpu": ["jax[tpu]>=0.11.2"],
+    },
+)
