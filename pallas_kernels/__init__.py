@@ -1,0 +1,1 @@
+"""Standalone JAX / Pallas kernels used by hydrahead-jax (never imports hydrahead_jax)."""
