@@ -1,0 +1,5 @@
+"""hydrahead-jax: convert a pretrained decoder LLM into a head-level hybrid of softmax and Gated DeltaNet attention."""
+from hydrahead_jax.config import ConfigError, ModelConfig
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "ModelConfig"]

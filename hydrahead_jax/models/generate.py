@@ -1,0 +1,72 @@
+"""Autoregressive generation with a decode cache: one prefill over the prompt, then one token per step.
+
+Works for every model variant: the cache holds whatever each layer's attention keeps (KV for softmax groups,
+a constant-size state for linear-attention groups). Functions are jitted on (graphdef, state) so that a
+generation loop costs one compiled call per token and no graph walk.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(graphdef, state, input_ids, cache):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(input_ids, cache=cache)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _decode_step(graphdef, state, token, cache):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(token[:, None], cache=cache)
+    return logits[:, -1], cache
+
+
+def _pick(logits: jax.Array, temperature: float, key: jax.Array | None) -> jax.Array:
+    if temperature <= 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int, *,
+             temperature: float = 0.0, seed: int = 0, eos_id: int | None = None,
+             return_logits: bool = False):
+    """Continue equal-length prompts [B, T]; greedy when temperature is 0. Returns new tokens [B, N] (np.int32).
+
+    Stops early once every sequence has produced ``eos_id``. With ``return_logits`` also returns the logits
+    that chose each new token, [B, N, V].
+    """
+    ids = jnp.asarray(np.asarray(prompt_ids, dtype=np.int32))
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be [batch, length>0] token ids of equal length, got shape {ids.shape}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    batch, length = ids.shape
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(batch, length + max_new_tokens)
+    key = jax.random.key(seed)
+    logits, cache = _prefill(graphdef, state, ids, cache)
+    tokens, all_logits = [], []
+    done = np.zeros(batch, bool)
+    for _ in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = _pick(logits, temperature, sub)
+        tokens.append(np.asarray(token))
+        if return_logits:
+            all_logits.append(np.asarray(logits))
+        if eos_id is not None:
+            done |= tokens[-1] == eos_id
+            if done.all():
+                break
+        if len(tokens) == max_new_tokens:
+            break
+        logits, cache = _decode_step(graphdef, state, token, cache)
+    out = np.stack(tokens, axis=1)
+    return (out, np.stack(all_logits, axis=1)) if return_logits else out

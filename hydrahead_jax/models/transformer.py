@@ -1,0 +1,156 @@
+"""The decoder (Llama / Qwen2 / Qwen3 family) in Flax NNX: teacher, and skeleton of every HydraHead student.
+
+    h_0 = embed(ids)
+    h_{l+½} = h_l + Attn_l(RMSNorm(h_l))          (Attn_l: softmax, or the HydraHead hybrid for students)
+    h_{l+1} = h_{l+½} + MLP_l(RMSNorm(h_{l+½}))
+    logits = RMSNorm(h_L) · Wᵀ_out                 (W_out = the embedding when tied)
+
+Layers are a Python list, not a scan: a HydraHead student gives each layer its own static set of FA groups.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.models.attention import Attention
+from hydrahead_jax.models.layers import MLP, RMSNorm, param_init
+
+AttentionFactory = Callable[[int, nnx.Rngs], nnx.Module]
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, attention: nnx.Module, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                param_dtype=cfg.jnp_param_dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=cfg.jnp_param_dtype,
+                       dtype=cfg.jnp_dtype)
+
+    def __call__(self, h, positions, cache=None, cache_index=None, intermediates: dict | None = None):
+        attn_in = self.input_layernorm(h)
+        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index)
+        if intermediates is not None:
+            intermediates.setdefault("attn_inputs", []).append(attn_in)
+            intermediates.setdefault("attn_outputs", []).append(attn_out)
+        h = h + attn_out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, cache
+
+
+class Transformer(nnx.Module):
+    """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_factory: AttentionFactory | None = None,
+                 attention_impl: str = "auto"):
+        self.cfg = cfg
+        if attention_factory is None:
+            attention_factory = lambda i, r: Attention(cfg, rngs=r, attention_impl=attention_impl)  # noqa: E731
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
+                                      param_dtype=cfg.jnp_param_dtype,
+                                      embedding_init=param_init(nnx.initializers.normal(0.02), ("vocab", "embed")),
+                                      rngs=rngs)
+        self.layers = nnx.List([Block(cfg, attention_factory(i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
+                                      param_dtype=cfg.jnp_param_dtype,
+                                      kernel_init=param_init(nnx.initializers.normal(0.02), ("embed", "vocab")),
+                                      rngs=rngs)
+
+    def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                      cache: dict[str, Any] | None = None, intermediates: dict | None = None):
+        """Final normalised hidden states [B,T,d] (and the updated cache when one is given).
+
+        With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
+        index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
+        """
+        b, t = input_ids.shape
+        cache_index = None if cache is None else cache["index"]
+        if positions is None:
+            start = 0 if cache is None else cache_index
+            positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        h = self.embed_tokens(input_ids)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache["layers"][i]
+            h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates)
+            new_layers.append(layer_cache)
+        h = self.norm(h)
+        new_cache = None if cache is None else {"index": cache_index + t, "layers": new_layers}
+        return h, new_cache
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """h [..., d] → logits [..., V] in float32."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(h).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                 cache: dict[str, Any] | None = None):
+        """Logits [B,T,V]; with a cache, returns (logits, new_cache)."""
+        h, new_cache = self.hidden_states(input_ids, positions=positions, cache=cache)
+        logits = self.logits_from_hidden(h)
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict[str, Any]:
+        dtype = self.cfg.jnp_dtype if dtype is None else dtype
+        return {"index": jnp.zeros((), jnp.int32),
+                "layers": [layer.self_attn.init_cache(batch, max_len, dtype) for layer in self.layers]}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Weights in Hugging Face naming and layout (torch Linear weights are [out, in]; ours are [in, out]).
+
+def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool]]:
+    """HF tensor name → (our Variable, whether the HF tensor is transposed relative to ours)."""
+    cfg = model.cfg
+    table: dict[str, tuple[nnx.Variable, bool]] = {"model.embed_tokens.weight": (model.embed_tokens.embedding, False),
+                                                    "model.norm.weight": (model.norm.weight, False)}
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (model.lm_head.kernel, True)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[f"{p}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
+        if cfg.attention_bias:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                table[f"{p}self_attn.{name}.bias"] = (getattr(attn, name).bias, False)
+        if cfg.qk_norm:
+            table[f"{p}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
+            table[f"{p}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            table[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
+        table[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, False)
+        table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
+    return table
+
+
+def load_hf_weights(model: Transformer, tensors: dict[str, np.ndarray], *, source: str = "checkpoint") -> None:
+    """Copy HF-named tensors into ``model`` in place; every expected tensor must be present with the right shape."""
+    table = hf_weight_map(model)
+    ignorable = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    missing = sorted(set(table) - set(tensors))
+    unexpected = sorted(n for n in set(tensors) - set(table) - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if missing:
+        raise ValueError(f"{source}: missing tensors {missing[:8]}{' …' if len(missing) > 8 else ''} "
+                         f"({len(missing)} in all) for a {model.cfg.architecture} model with {model.cfg.num_layers} "
+                         "layers; is the checkpoint complete and does config.json match it?")
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all); the "
+                         "checkpoint does not match the config (another architecture or layer count?).")
+    for name, (var, transposed) in table.items():
+        value = np.asarray(tensors[name])
+        if transposed:
+            value = value.T
+        if value.shape != var.shape:
+            expected = var.shape[::-1] if transposed else var.shape
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(np.asarray(tensors[name]).shape)}, "
+                             f"expected {tuple(expected)} from the model config.")
+        var.set_value(jnp.asarray(value, dtype=var.dtype))
