@@ -309,7 +309,7 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
             qk_norm=arch == "qwen3",
             attention_bias=arch == "qwen2" or (arch == "qwen3" and bool(hf.get("attention_bias", False))),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            name=str(hf.get("_name_or_path") or Path(path).name),
+            name=str(hf.get("_name_or_path") or Path(path).parent.name),
         )
     except KeyError as e:
         raise CheckpointError(f"{path}: config.json lacks the required field {e.args[0]!r}.") from e
