@@ -1,0 +1,318 @@
+"""Gated delta rule: chunked XLA, decode step and Pallas kernels against the token-by-token reference.
+
+What interpret mode proves here: the Pallas kernels' chunk math, block specs, index maps, chunk-state
+saving and the custom_vjp backward are right (the same kernel bodies run on CPU). It does not prove
+that Triton / Mosaic lower them; the tests marked "needs a GPU"/"needs a TPU" do that on such machines
+(bench/gpu_check_gated_delta.py is the fuller GPU check).
+"""
+import inspect
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step, naive_gated_delta_rule
+from pallas_kernels.gated_delta import pallas_gpu, pallas_tpu
+
+
+def make_inputs(B, T, H, K, V, seed=0, unit_keys=True, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    if unit_keys:  # the delta rule is only contractive for ‖k‖ ≈ 1 (what the model feeds it)
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H)) - 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    s0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V))
+    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (s0,)
+
+
+def weighted_loss(fn):
+    """A loss that touches every output element with a distinct weight (so no gradient cancels)."""
+    def loss(q, k, v, g, beta, s0):
+        o, s = fn(q, k, v, g, beta, s0)
+        w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o.astype(jnp.float32) * w) + 0.3 * jnp.sum(jnp.sin(s))
+    return loss
+
+
+def runner(implementation, *, chunk_size=64, l2=False, **extra):
+    def fn(q, k, v, g, beta, s0):
+        kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm=l2)
+        if implementation == "naive":
+            return naive_gated_delta_rule(q, k, v, g, beta, **kw)
+        if extra:  # direct backend call with non-default tiling
+            mod = pallas_gpu if implementation == "pallas_gpu" else pallas_tpu
+            f = getattr(mod, f"chunk_gated_delta_rule_{implementation}")
+            return f(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=chunk_size, interpret=True,
+                     **kw, **extra)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation=implementation,
+                                      **kw)
+    return fn
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# ---------------------------------------------------------------- chunked XLA == naive
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_xla_matches_naive(chunk_size, l2, with_state):
+    q, k, v, g, beta, s0 = make_inputs(2, 100, 2, 16, 8)  # T = 100: not a chunk multiple
+    s0 = s0 if with_state else None
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm=l2)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, **kw)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation="xla", **kw)
+    assert o.shape == (2, 100, 2, 8) and o.dtype == q.dtype and s.shape == (2, 2, 16, 8) and s.dtype == jnp.float32
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+    o2, none = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation="xla",
+                                      initial_state=s0, use_qk_l2norm=l2)
+    assert none is None
+    np.testing.assert_array_equal(o2, o)
+
+
+def test_xla_gradients_match_naive():
+    args = make_inputs(1, 100, 2, 16, 8, seed=1)
+    g_ref = jax.grad(weighted_loss(runner("naive")), argnums=range(6))(*args)
+    g_xla = jax.grad(weighted_loss(runner("xla", chunk_size=32)), argnums=range(6))(*args)
+    for name, a, b in zip("q k v g beta initial_state".split(), g_xla, g_ref):
+        assert rel_err(a, b) < 2e-5, name
+
+
+def test_xla_gradients_match_naive_with_l2norm():
+    args = make_inputs(1, 70, 1, 16, 8, seed=2, unit_keys=False)
+    g_ref = jax.grad(weighted_loss(runner("naive", l2=True)), argnums=range(6))(*args)
+    g_xla = jax.grad(weighted_loss(runner("xla", l2=True)), argnums=range(6))(*args)
+    for name, a, b in zip("q k v g beta initial_state".split(), g_xla, g_ref):
+        assert rel_err(a, b) < 2e-5, name
+
+
+def test_strong_decay_stays_finite():
+    """g = −20 every step: e^{−20·63} underflows inside a chunk; masking before exp keeps it finite."""
+    q, k, v, _, beta, s0 = make_inputs(1, 150, 2, 16, 8, seed=3)
+    g = jnp.full(beta.shape, -20.0)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, implementation="xla")
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+    grads = jax.grad(weighted_loss(runner("xla")), argnums=range(6))(q, k, v, g, beta, s0)
+    assert all(np.isfinite(x).all() for x in grads)
+
+
+def test_long_sequence_65536():
+    q, k, v, g, beta, s0 = make_inputs(1, 65536, 1, 16, 16, seed=4)
+    fn = jax.jit(lambda *a: chunk_gated_delta_rule(*a, output_final_state=True, implementation="xla"))
+    o, s = fn(q, k, v, g, beta)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    o_ref, s_ref = jax.jit(lambda *a: naive_gated_delta_rule(*a, output_final_state=True))(q, k, v, g, beta)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- decode step
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_step_iterated_matches_naive(l2):
+    q, k, v, g, beta, s0 = make_inputs(2, 20, 3, 16, 8, seed=5, unit_keys=not l2)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                          use_qk_l2norm=l2, scale=0.3)
+    s, outs = s0, []
+    for t in range(q.shape[1]):
+        o_t, s = gated_delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s, scale=0.3,
+                                       use_qk_l2norm=l2)
+        outs.append(o_t)
+    np.testing.assert_allclose(jnp.stack(outs, 1), o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_step_rejects_bad_shapes():
+    q, k, v, g, beta, s0 = make_inputs(1, 1, 2, 8, 4)
+    with pytest.raises(ValueError, match="state must be"):
+        gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0[..., :3])
+
+
+# ---------------------------------------------------------------- Pallas kernels (interpret mode)
+
+
+@pytest.mark.parametrize("impl,extra", [("pallas_gpu", dict(block_v=16)), ("pallas_tpu", {})])
+def test_pallas_forward_and_grads_f32(impl, extra):
+    """T = 100 with chunk 32 (ragged), K = 16, V = 24 (padded to 32: two value tiles on the GPU kernel)."""
+    args = make_inputs(1, 100, 2, 16, 24, seed=6, unit_keys=False)
+    ref = runner("naive", l2=True)
+    pal = runner(impl, chunk_size=32, l2=True, **extra)
+    for a, b in zip(pal(*args), ref(*args)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+    g_ref = jax.grad(weighted_loss(ref), argnums=range(6))(*args)
+    g_pal = jax.grad(weighted_loss(pal), argnums=range(6))(*args)
+    for name, a, b in zip("q k v g beta initial_state".split(), g_pal, g_ref):
+        assert rel_err(a, b) < 2e-5, name
+
+
+def test_pallas_strong_decay_stays_finite():
+    q, k, v, _, beta, s0 = make_inputs(1, 80, 1, 16, 16, seed=7)
+    g = jnp.full(beta.shape, -20.0)
+    fn = runner("pallas")
+    o, s = fn(q, k, v, g, beta, s0)
+    o_ref, s_ref = runner("naive")(q, k, v, g, beta, s0)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+    grads = jax.grad(weighted_loss(fn), argnums=range(6))(q, k, v, g, beta, s0)
+    assert all(np.isfinite(x).all() for x in grads)
+
+
+def test_pallas_bf16_within_reference_error():
+    """bf16 inputs: the kernel's error against an fp32 oracle must be within 2x of the reference's own."""
+    f32_args = make_inputs(1, 96, 2, 32, 32, seed=8)
+    bf_args = tuple(x.astype(jnp.bfloat16) for x in f32_args[:5]) + (f32_args[5],)
+    oracle, ref, pal = runner("naive", l2=True), runner("naive", l2=True), runner("pallas", l2=True)
+    o_oracle, s_oracle = oracle(*f32_args)
+    (o_ref, s_ref), (o_pal, s_pal) = ref(*bf_args), pal(*bf_args)
+    assert o_pal.dtype == jnp.bfloat16 and s_pal.dtype == jnp.float32
+    for got, base, want in ((o_pal, o_ref, o_oracle), (s_pal, s_ref, s_oracle)):
+        assert rel_err(got, want) <= 2 * rel_err(base, want)
+    g_oracle = jax.grad(weighted_loss(oracle), argnums=range(6))(*f32_args)
+    g_ref = jax.grad(weighted_loss(ref), argnums=range(6))(*bf_args)
+    g_pal = jax.grad(weighted_loss(pal), argnums=range(6))(*bf_args)
+    for name, got, base, want in zip("q k v g beta initial_state".split(), g_pal, g_ref, g_oracle):
+        assert got.dtype == base.dtype, name
+        assert rel_err(got, want) <= 2 * rel_err(base, want), name
+
+
+@settings(max_examples=5, deadline=None)
+@given(B=st.integers(1, 2), T=st.integers(1, 80), H=st.integers(1, 2), K=st.sampled_from([8, 16, 24]),
+       V=st.sampled_from([4, 16, 20]), chunk=st.sampled_from([16, 32]), l2=st.booleans(), with_state=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_random_shapes(B, T, H, K, V, chunk, l2, with_state, seed):
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, K, V, seed=seed, unit_keys=not l2)
+    kw = dict(initial_state=s0 if with_state else None, output_final_state=True, use_qk_l2norm=l2)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, **kw)
+    for impl in ("xla", "pallas"):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, implementation=impl, **kw)
+        np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5, err_msg=impl)
+
+
+def _find_eqns(jaxpr, name, inside=False, found=None):
+    """(eqn name, inside-shard_map) pairs for every eqn named `name`, walking all sub-jaxprs."""
+    found = [] if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(inside)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    _find_eqns(sub, name, inside or eqn.primitive.name == "shard_map", found)
+    return found
+
+
+def test_pallas_inside_shard_map():
+    """Pallas custom calls cannot be auto-partitioned: sharded use wraps the kernel in shard_map."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((4, 2), ("data", "heads"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    args = make_inputs(4, 40, 2, 16, 16, seed=9)
+    spec4, spec3 = P("data", None, "heads", None), P("data", None, "heads")
+    specs = (spec4, spec4, spec4, spec3, spec3, P("data", "heads"))
+    q, k, v, g, beta, s0 = (jax.device_put(x, jax.NamedSharding(mesh, s)) for x, s in zip(args, specs))
+
+    def kernel(q, k, v, g, beta, s0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                      chunk_size=32, implementation="pallas")
+
+    sharded = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=(spec4, P("data", "heads")), check_vma=False))
+    jaxpr = jax.make_jaxpr(sharded)(q, k, v, g, beta, s0).jaxpr
+    where = _find_eqns(jaxpr, "pallas_call")
+    assert where and all(where), f"pallas_call outside shard_map: {where}"
+    o_sh, s_sh = sharded(q, k, v, g, beta, s0)
+    assert o_sh.sharding.spec == spec4
+    o, s = kernel(*args)
+    np.testing.assert_allclose(o_sh, o, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(s_sh, s, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- transformers' torch oracle
+
+
+def test_matches_transformers_qwen3_next():
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    torch_fn = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
+    assert "use_qk_l2norm_in_kernel" in inspect.signature(torch_fn).parameters
+    q, k, v, g, beta, s0 = make_inputs(2, 100, 2, 16, 8, seed=10, unit_keys=False)
+    t = lambda x: torch.from_numpy(np.asarray(x))
+    o_t, s_t = torch_fn(t(q), t(k), t(v), t(g), t(beta), chunk_size=64, initial_state=t(s0),
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for impl in ("xla", "pallas"):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                      use_qk_l2norm=True, implementation=impl)
+        np.testing.assert_allclose(o, o_t.numpy(), atol=1e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(s, s_t.numpy(), atol=1e-5, rtol=1e-5, err_msg=impl)
+
+
+# ---------------------------------------------------------------- API
+
+
+def test_api_validation():
+    q, k, v, g, beta, s0 = make_inputs(1, 10, 2, 8, 4)
+    with pytest.raises(ValueError, match="auto, xla, pallas, pallas_gpu, pallas_tpu, reference"):
+        chunk_gated_delta_rule(q, k, v, g, beta, implementation="triton")
+    with pytest.raises(ValueError, match="g must be"):
+        chunk_gated_delta_rule(q, k, v, g[..., None], beta)
+    with pytest.raises(ValueError, match="v must be"):
+        chunk_gated_delta_rule(q, k, v[:, :5], g, beta)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0[:, :1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, implementation="reference")
+    o_auto, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+    np.testing.assert_allclose(o_auto, o, atol=1e-5, rtol=1e-5)
+
+
+def test_pallas_interpret_is_logged_once(caplog):
+    from pallas_kernels.gated_delta import api
+    if jax.default_backend() in ("gpu", "tpu"):
+        pytest.skip("needs a CPU backend (interpret mode)")
+    api._logged_interpret = False
+    q, k, v, g, beta, _ = make_inputs(1, 16, 1, 8, 4)
+    with caplog.at_level("WARNING", logger=api.__name__):
+        for _ in range(2):
+            chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas")
+    assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------- real lowering (accelerators only)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_pallas_gpu_lowering():
+    args = make_inputs(2, 300, 2, 64, 64, seed=11)
+    ref, pal = runner("xla", l2=True), runner("pallas_gpu", l2=True)
+    for a, b in zip(pal(*args), ref(*args)):
+        assert rel_err(a, b) < 1e-4
+    for a, b in zip(jax.grad(weighted_loss(pal), argnums=range(6))(*args),
+                    jax.grad(weighted_loss(ref), argnums=range(6))(*args)):
+        assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
+def test_pallas_tpu_lowering():
+    args = make_inputs(2, 300, 2, 128, 128, seed=12)
+    ref, pal = runner("xla", l2=True), runner("pallas_tpu", l2=True)
+    for a, b in zip(pal(*args), ref(*args)):
+        assert rel_err(a, b) < 1e-4
+    for a, b in zip(jax.grad(weighted_loss(pal), argnums=range(6))(*args),
+                    jax.grad(weighted_loss(ref), argnums=range(6))(*args)):
+        assert rel_err(a, b) < 1e-4
