@@ -1,0 +1,58 @@
+"""Build HydraHead students: from a loaded teacher (weights copied exactly) or at random (restore targets)."""
+from __future__ import annotations
+
+from flax import nnx
+
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid.config import HybridConfig
+from hydrahead_jax.hybrid.fusion import calibrate_fusion
+from hydrahead_jax.hybrid.head_map import HeadMap
+from hydrahead_jax.models.attention import Attention
+from hydrahead_jax.models.transformer import Transformer
+
+# The parameters a student has and its teacher does not: Gated DeltaNet heads and fusion scales (stage 1 trains
+# only these). Every other parameter is a copy of a teacher weight.
+new_param_filter = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("gdn"), nnx.PathContains("fusion")))
+
+
+def build_model(cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, rngs: nnx.Rngs | None = None
+                ) -> Transformer:
+    """A randomly initialised HydraHead model of ``cfg`` with the FA groups of ``head_map`` (layers with every
+    group FA are plain softmax layers; layers with none are all Gated DeltaNet)."""
+    hybrid_cfg = HybridConfig() if hybrid_cfg is None else hybrid_cfg
+    head_map.validate(cfg)
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+
+    def factory(i: int, r: nnx.Rngs) -> Attention:
+        return Attention(cfg, rngs=r, fa_groups=tuple(head_map.fa_groups[i]), hybrid_cfg=hybrid_cfg,
+                         attention_impl=hybrid_cfg.attention_implementation)
+
+    return Transformer(cfg, rngs=rngs, attention_factory=factory)
+
+
+def build_student(teacher: Transformer, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, *,
+                  rngs: nnx.Rngs | None = None, calibration_ids=None) -> Transformer:
+    """A HydraHead student of ``teacher``: every teacher parameter (embeddings, norms, MLP, q/k/v/o and their
+    biases, q/k norms, lm_head) copied exactly, new GDN/fusion parameters at their initial values, and the fusion
+    scales set from the teacher's per-head output RMS on ``calibration_ids`` [B,T] when given."""
+    student = build_model(teacher.cfg, head_map, hybrid_cfg, rngs)
+    teacher_params = nnx.state(teacher, nnx.Param)
+    student_params = dict(nnx.to_flat_state(nnx.state(student, nnx.Param)))
+    for path, var in nnx.to_flat_state(teacher_params):
+        target = student_params.get(path)
+        if target is None:
+            raise ValueError(f"teacher parameter {'/'.join(map(str, path))} has no place in the student; "
+                             "was the teacher built from the same ModelConfig?")
+        if target.shape != var.shape or target.dtype != var.dtype:
+            raise ValueError(f"teacher parameter {'/'.join(map(str, path))} is {var.shape} {var.dtype}, the "
+                             f"student's {target.shape} {target.dtype}.")
+    nnx.update(student, teacher_params)
+    if calibration_ids is not None:
+        calibrate_fusion(student, teacher, calibration_ids)
+    return student
+
+
+def reused_param_paths(student: Transformer) -> list[tuple]:
+    """Paths of the student's parameters that come from the teacher (all but ``new_param_filter``)."""
+    new = {p for p, _ in nnx.to_flat_state(nnx.state(student, new_param_filter))}
+    return [p for p, _ in nnx.to_flat_state(nnx.state(student, nnx.Param)) if p not in new]

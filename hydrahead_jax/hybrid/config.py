@@ -1,0 +1,76 @@
+"""Options of the HydraHead attention block (everything that is not the teacher's shape or the head map)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hydrahead_jax.config import ConfigError
+
+FUSIONS = ("none", "la_only", "both")
+FUSION_GRANULARITIES = ("head", "channel")
+# Accepted by flash_attention / chunk_gated_delta_rule; the kernel APIs check again for their own platform.
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """How LA (Gated DeltaNet) groups are built and how head outputs are fused.
+
+    use_conv: depthwise causal conv (``conv_size`` taps) on the LA heads' q/k/v channels, identity-initialised
+        and without activation, so it starts as the identity on the teacher's q/k/v.
+    use_output_gate: o = RMSNorm(o) · silu(z), z = x·W_z (+ b_z), per LA head; initialised so silu(z) = 1.
+    la_rope: rotate LA q/k with the teacher's RoPE before the delta rule (default). The teacher's q·k logits were
+        trained on rotated vectors, so the LA heads' normalised similarities q̂·k̂ then equal the teacher's cosine
+        logits at init; without it an LA head's q·k would be a function the teacher never computed.
+    fusion: scale-normalised fusion of head outputs: "none" (identity), "la_only", "both" (FA and LA heads).
+    fusion_granularity: one learnable γ per head ("head") or per head channel ("channel").
+    gdn_chunk_size: chunk length of the chunked gated delta rule (prefill / training).
+    gdn_implementation, attention_implementation: backend names passed to the kernels.
+    """
+
+    use_conv: bool = True
+    conv_size: int = 4
+    use_output_gate: bool = True
+    la_rope: bool = True
+    fusion: str = "both"
+    fusion_granularity: str = "head"
+    gdn_chunk_size: int = 64
+    gdn_implementation: str = "auto"
+    attention_implementation: str = "auto"
+
+    def __post_init__(self):
+        for field in ("use_conv", "use_output_gate", "la_rope"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"HybridConfig.{field} must be True or False, got {getattr(self, field)!r}.")
+        for field in ("conv_size", "gdn_chunk_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"HybridConfig.{field} must be a positive integer, got {value!r}.")
+        if self.gdn_chunk_size < 16 or self.gdn_chunk_size & (self.gdn_chunk_size - 1):
+            raise ConfigError(f"HybridConfig.gdn_chunk_size={self.gdn_chunk_size} must be a power of two >= 16 "
+                              "(the chunked kernels' block shapes); 64 is the default.")
+        if self.use_conv and self.conv_size < 2:
+            raise ConfigError(f"HybridConfig.conv_size={self.conv_size}: a causal conv needs at least 2 taps; "
+                              "set use_conv=False to drop the conv instead.")
+        if self.fusion not in FUSIONS:
+            raise ConfigError(f"HybridConfig.fusion={self.fusion!r}; choose one of {FUSIONS}.")
+        if self.fusion_granularity not in FUSION_GRANULARITIES:
+            raise ConfigError(f"HybridConfig.fusion_granularity={self.fusion_granularity!r}; "
+                              f"choose one of {FUSION_GRANULARITIES}.")
+        for field in ("gdn_implementation", "attention_implementation"):
+            if getattr(self, field) not in IMPLEMENTATIONS:
+                raise ConfigError(f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {IMPLEMENTATIONS}.")
+
+    def replace(self, **changes) -> "HybridConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HybridConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"Unknown HybridConfig fields {unknown}; valid fields are {sorted(known)}.")
+        return cls(**data)

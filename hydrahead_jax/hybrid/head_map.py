@@ -1,0 +1,277 @@
+"""The head map: which KV groups of each layer keep full (softmax) attention — a JSON artifact users share.
+
+File format (``format_version`` 1)::
+
+    {"format_version": 1,
+     "model": {"name": ..., "num_layers": L, "num_heads": Hq, "num_kv_heads": G, "head_dim": D},
+     "granularity": "kv_group",
+     "target_ratio": "7:1" | "25%" | "0.25" | null,     # LA:FA, or the FA fraction
+     "allocation": "per_layer" | "global",
+     "method": "retrieval" | "ablation" | "layerwise" | "all_fa" | ...,
+     "probe": {...},                                     # settings of the probe that produced the scores
+     "scores": {"retrieval": [[...G floats...] × L], ...},
+     "fa_groups": [[sorted FA group indices of layer 0], ..., [... of layer L−1]]}
+
+A ratio "a:b" reads LA:FA (the paper's "7:1" keeps 1 head in 8 as FA), so its FA fraction is b / (a + b).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+from typing import Any, Sequence
+
+from hydrahead_jax.config import ModelConfig
+
+FORMAT_VERSION = 1
+ALLOCATIONS = ("per_layer", "global")
+GRANULARITY = "kv_group"
+_MODEL_FIELDS = ("name", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+class HeadMapError(ValueError):
+    """A head map that is malformed or does not fit the model; the message names the file/field and the fix."""
+
+
+def parse_ratio(ratio: str | float | int) -> float:
+    """FA fraction of a ratio: "7:1" (LA:FA) → 1/8, "25%" → 0.25, "0.25" or 0.25 → 0.25. Must lie in [0, 1]."""
+    if isinstance(ratio, bool):
+        raise HeadMapError(f"ratio {ratio!r} is not a ratio; write e.g. '7:1' (LA:FA), '25%' or 0.25.")
+    if isinstance(ratio, (int, float)):
+        fraction = float(ratio)
+    elif isinstance(ratio, str):
+        text = ratio.strip()
+        try:
+            if ":" in text:
+                la, fa = (float(part) for part in text.split(":"))
+                if la < 0 or fa < 0 or la + fa <= 0 or not math.isfinite(la + fa):
+                    raise HeadMapError(f"ratio {ratio!r}: LA:FA parts must be finite, >= 0 and not both 0.")
+                fraction = fa / (la + fa)
+            elif text.endswith("%"):
+                fraction = float(text[:-1]) / 100.0
+            else:
+                fraction = float(text)
+        except HeadMapError:
+            raise
+        except ValueError:
+            raise HeadMapError(f"cannot parse ratio {ratio!r}; write 'LA:FA' like '7:1', a percentage like "
+                               "'25%', or an FA fraction like '0.25'.") from None
+    else:
+        raise HeadMapError(f"ratio must be a string or a number, got {type(ratio).__name__}.")
+    if not (0.0 <= fraction <= 1.0) or not math.isfinite(fraction):
+        raise HeadMapError(f"ratio {ratio!r} gives an FA fraction of {fraction}; it must lie in [0, 1].")
+    return fraction
+
+
+def fa_budget(cfg: ModelConfig, ratio: str | float, allocation: str) -> int:
+    """Number of FA groups a ratio buys: per layer ("per_layer") or in the whole model ("global").
+
+    Rounds to nearest (half up). A non-zero ratio that rounds to zero FA groups is an error, not a silent
+    all-LA model: with 3 KV groups per layer, 7:1 per layer would be 0.375 → 0; use global allocation.
+    """
+    if allocation not in ALLOCATIONS:
+        raise HeadMapError(f"allocation={allocation!r}; choose one of {ALLOCATIONS}.")
+    fraction = parse_ratio(ratio)
+    pool = cfg.num_kv_heads if allocation == "per_layer" else cfg.num_kv_heads * cfg.num_layers
+    count = int(math.floor(fraction * pool + 0.5))
+    if fraction > 0 and count == 0:
+        hint = " use allocation='global'" if allocation == "per_layer" else " choose a larger FA fraction"
+        raise HeadMapError(f"ratio {ratio!r} (FA fraction {fraction:.4g}) of {pool} KV groups "
+                           f"({allocation}) rounds to 0 FA groups;{hint}.")
+    return count
+
+
+@dataclasses.dataclass
+class HeadMap:
+    model: dict[str, Any]
+    fa_groups: list[list[int]]
+    method: str
+    target_ratio: str | None = None
+    allocation: str = "per_layer"
+    probe: dict[str, Any] = dataclasses.field(default_factory=dict)
+    scores: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    granularity: str = GRANULARITY
+    format_version: int = FORMAT_VERSION
+
+    # ------------------------------------------------------------------------------------------ constructors
+    @staticmethod
+    def model_identity(cfg: ModelConfig) -> dict[str, Any]:
+        return {f: getattr(cfg, f) for f in _MODEL_FIELDS}
+
+    @classmethod
+    def from_fa_groups(cls, cfg: ModelConfig, fa_groups: Sequence[Sequence[int]], *, method: str,
+                       target_ratio: str | float | None = None, allocation: str = "per_layer",
+                       probe: dict[str, Any] | None = None,
+                       scores: dict[str, Any] | None = None) -> "HeadMap":
+        """A validated map for ``cfg`` with the given FA groups per layer (sorted on the way in)."""
+        groups = [sorted(int(g) for g in layer) for layer in fa_groups]
+        scores = {name: [[float(s) for s in row] for row in matrix] for name, matrix in (scores or {}).items()}
+        ratio = None if target_ratio is None else str(target_ratio)
+        head_map = cls(model=cls.model_identity(cfg), fa_groups=groups, method=method, target_ratio=ratio,
+                       allocation=allocation, probe=dict(probe or {}), scores=scores)
+        head_map.validate(cfg)
+        return head_map
+
+    @classmethod
+    def all_fa(cls, cfg: ModelConfig) -> "HeadMap":
+        """Every group FA: the teacher."""
+        return cls.from_fa_groups(cfg, [range(cfg.num_kv_heads)] * cfg.num_layers, method="all_fa",
+                                  target_ratio="0:1")
+
+    @classmethod
+    def all_la(cls, cfg: ModelConfig) -> "HeadMap":
+        """Every group Gated DeltaNet."""
+        return cls.from_fa_groups(cfg, [[]] * cfg.num_layers, method="all_la", target_ratio="1:0")
+
+    @classmethod
+    def layerwise(cls, cfg: ModelConfig, ratio: str | float | None = None,
+                  fa_layers: Sequence[int] | None = None) -> "HeadMap":
+        """Layer-wise hybrid baseline: whole layers FA (all groups) or LA (none), from a layer list or a ratio.
+
+        From a ratio with FA fraction f: when 1/f is an integer p (3:1 → 4, 7:1 → 8) every p-th layer ending at
+        the last one is FA (L−1, L−1−p, …), the periodic pattern of published layer-wise hybrids; otherwise
+        round(f·L) layers evenly spaced, again ending at the last. Ending at the last layer keeps softmax
+        attention next to the logits, where retrieval output is read out.
+        """
+        if (ratio is None) == (fa_layers is None):
+            raise HeadMapError("HeadMap.layerwise needs exactly one of ratio='3:1' or fa_layers=[...].")
+        L = cfg.num_layers
+        if fa_layers is None:
+            f = parse_ratio(ratio)
+            if f == 0:
+                chosen = set()
+            elif abs(1 / f - round(1 / f)) < 1e-9:
+                chosen = set(range(L - 1, -1, -round(1 / f)))
+            else:
+                n = max(1, int(math.floor(f * L + 0.5)))
+                chosen = {int(round(L - 1 - j * L / n)) for j in range(n)}
+        else:
+            chosen = set()
+            for layer in fa_layers:
+                if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+                    raise HeadMapError(f"fa_layers: layer {layer!r} is not an index in [0, {L}).")
+                chosen.add(layer)
+        all_groups = list(range(cfg.num_kv_heads))
+        return cls.from_fa_groups(cfg, [all_groups if i in chosen else [] for i in range(L)], method="layerwise",
+                                  target_ratio=None if ratio is None else str(ratio),
+                                  probe={"fa_layers": sorted(chosen)})
+
+    # ------------------------------------------------------------------------------------------ queries
+    @property
+    def num_layers(self) -> int:
+        return len(self.fa_groups)
+
+    def num_fa_groups(self) -> int:
+        return sum(len(layer) for layer in self.fa_groups)
+
+    def kv_bytes_ratio(self) -> float:
+        """KV-cache bytes per token of the hybrid relative to the teacher: FA groups / all groups."""
+        total = self.model["num_kv_heads"] * self.model["num_layers"]
+        return self.num_fa_groups() / total
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validate(self, cfg: ModelConfig | None = None, *, source: str = "head map") -> "HeadMap":
+        """Raise HeadMapError naming ``source``, the field and the fix when the map is malformed or misfits cfg."""
+        def fail(msg):
+            raise HeadMapError(f"{source}: {msg}")
+
+        if self.format_version != FORMAT_VERSION:
+            fail(f"format_version {self.format_version!r} is not supported (this code reads {FORMAT_VERSION}); "
+                 "regenerate the map with this version of hydrahead-jax.")
+        if self.granularity != GRANULARITY:
+            fail(f"granularity {self.granularity!r}: only {GRANULARITY!r} is supported.")
+        if self.allocation not in ALLOCATIONS:
+            fail(f"allocation {self.allocation!r}; choose one of {ALLOCATIONS}.")
+        if self.target_ratio is not None:
+            try:
+                parse_ratio(self.target_ratio)
+            except HeadMapError as e:
+                fail(f"target_ratio: {e}")
+        if not isinstance(self.model, dict) or set(_MODEL_FIELDS) - set(self.model):
+            fail(f"model must be an object with fields {list(_MODEL_FIELDS)}, got {self.model!r}.")
+        L, G = self.model["num_layers"], self.model["num_kv_heads"]
+        if cfg is not None:
+            for f in _MODEL_FIELDS[1:]:
+                if self.model[f] != getattr(cfg, f):
+                    fail(f"model.{f}={self.model[f]} but the model has {f}={getattr(cfg, f)}; this map was made "
+                         f"for another model ({self.model.get('name')!r}). Select heads for this model instead.")
+        if not isinstance(self.fa_groups, list) or len(self.fa_groups) != L:
+            n = len(self.fa_groups) if isinstance(self.fa_groups, list) else type(self.fa_groups).__name__
+            fail(f"fa_groups has {n} layers but the model has {L}; give one list of FA KV groups per layer.")
+        for i, layer in enumerate(self.fa_groups):
+            if not isinstance(layer, list):
+                fail(f"fa_groups[{i}] must be a list of KV group indices, got {layer!r}.")
+            for g in layer:
+                if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < G:
+                    fail(f"fa_groups[{i}] contains {g!r}, outside the model's KV groups 0..{G - 1}.")
+            if len(set(layer)) != len(layer):
+                fail(f"fa_groups[{i}]={layer} lists a group twice; each KV group is FA at most once.")
+            if list(layer) != sorted(layer):
+                fail(f"fa_groups[{i}]={layer} is not sorted; write the groups in increasing order.")
+        for name, matrix in self.scores.items():
+            ok = (isinstance(matrix, list) and len(matrix) == L
+                  and all(isinstance(row, list) and len(row) == G for row in matrix))
+            if not ok:
+                fail(f"scores[{name!r}] must be a [{L}][{G}] matrix (layers × KV groups).")
+            if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for row in matrix for s in row):
+                fail(f"scores[{name!r}] must hold numbers only.")
+        return self
+
+    # ------------------------------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "head map") -> "HeadMap":
+        if not isinstance(data, dict):
+            raise HeadMapError(f"{source}: expected a JSON object, got {type(data).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        required = {"model", "fa_groups", "method", "format_version"}
+        unknown, missing = sorted(set(data) - known), sorted(required - set(data))
+        if unknown:
+            raise HeadMapError(f"{source}: unknown fields {unknown}; valid fields are {sorted(known)}.")
+        if missing:
+            raise HeadMapError(f"{source}: missing fields {missing}.")
+        return cls(**data).validate(source=source)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON atomically (temporary file in the same directory, then rename): never a half-written map."""
+        self.validate(source=str(path))
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".headmap-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(_dumps(self.to_dict()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, cfg: ModelConfig | None = None) -> "HeadMap":
+        """Read and validate a map (against ``cfg`` when given)."""
+        path = os.fspath(path)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise HeadMapError(f"head map file {path!r} does not exist; run head selection (stage 0) first.") \
+                from None
+        except json.JSONDecodeError as e:
+            raise HeadMapError(f"head map file {path!r} is not valid JSON ({e}).") from None
+        head_map = cls.from_dict(data, source=path)
+        return head_map.validate(cfg, source=path) if cfg is not None else head_map
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    """Indented JSON with every innermost list (a layer's groups, a score row) on one line, for readable diffs."""
+    text = json.dumps(data, indent=2)
+    return re.sub(r"\[\s*([^\[\]{}]*?)\s*\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text) + "\n"
