@@ -1,0 +1,113 @@
+"""Losses of the three training stages. Every loss is a masked mean over tokens; m_{b,t} ∈ {0, 1} is loss_mask.
+
+Stage 1 (align), per layer l, with the TEACHER's normalised attention input x̂ˡ and attention output yˡ:
+
+    L_align = Σ_l  Σ_{b,t} m_{b,t} · ‖ Attn_student^l(x̂ˡ_{b,t}) − yˡ_{b,t} ‖² / d   /  Σ_{b,t} m_{b,t}
+
+(the sum over layers, not the mean, so each layer's gradient does not shrink with depth; layers are independent
+because every student block reads the teacher's input, not its own previous output.)
+
+Stage 2 (distil), with p = softmax(z_teacher / τ), q = softmax(z_student / τ) per token:
+
+    L_KL = Σ_{b,t} m_{b,t} · Σ_v p_v (log p_v − log q_v)  /  Σ m   (× τ² so gradients keep their scale)
+
+Stage 3 (long), next-token cross-entropy, optionally + w · L_KL:
+
+    L_CE = Σ_{b,t} m_{b,t} · (logsumexp(z_{b,t}) − z_{b,t,y_{b,t}})  /  Σ m
+
+Logits are never materialised for the whole sequence: the final hidden states [B,T,d] are cut into token
+chunks of C and a ``lax.scan`` computes each chunk's [B,C,V] logits with ``logits_from_hidden``. The chunk body
+is rematerialised (``jax.checkpoint``), so the backward pass also holds only one chunk of logits at a time.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+LogitsFn = Callable[[jax.Array], jax.Array]
+
+
+def masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def align_loss(student_attention_fns, teacher_inputs, teacher_outputs, positions: jax.Array,
+               mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Σ_l masked-mean MSE of student attention l on the teacher's input l against the teacher's output l.
+
+    ``student_attention_fns[l](x, positions) -> (out, cache)`` is the student's attention block of layer l;
+    ``teacher_inputs`` / ``teacher_outputs`` are per-layer [B,T,d] (already stop-gradient'ed by the caller).
+    Returns (total, per-layer losses [L]).
+    """
+    per_layer = []
+    for attn, x, y in zip(student_attention_fns, teacher_inputs, teacher_outputs, strict=True):
+        out, _ = attn(x, positions)
+        sq = jnp.mean(jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32)), axis=-1)  # [B,T]
+        per_layer.append(masked_mean(sq, mask))
+    per_layer = jnp.stack(per_layer)
+    return jnp.sum(per_layer), per_layer
+
+
+def _chunked(h: jax.Array, chunk: int) -> tuple[jax.Array, int]:
+    """[B,T,...] → [n, B, C, ...] with T zero-padded to a multiple of C (padding is masked out by the caller)."""
+    b, t = h.shape[:2]
+    chunk = max(1, min(int(chunk), t))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        h = jnp.pad(h, [(0, 0), (0, pad)] + [(0, 0)] * (h.ndim - 2))
+    h = h.reshape((b, n, chunk) + h.shape[2:])
+    return jnp.moveaxis(h, 1, 0), n
+
+
+def _scan_token_chunks(body, xs, chunk_totals_init):
+    """Sum of body(chunk) over chunks, body rematerialised so backward keeps only one chunk's logits alive."""
+    body = jax.checkpoint(body)
+
+    def step(carry, x):
+        return jax.tree.map(jnp.add, carry, body(x)), None
+
+    total, _ = jax.lax.scan(step, chunk_totals_init, xs)
+    return total
+
+
+def chunked_kl(student_hidden: jax.Array, teacher_hidden: jax.Array, student_logits: LogitsFn,
+               teacher_logits: LogitsFn, mask: jax.Array, *, chunk: int = 512,
+               temperature: float = 1.0) -> jax.Array:
+    """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in token chunks of ``chunk``."""
+    hs, _ = _chunked(student_hidden, chunk)
+    ht, _ = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk)
+    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+
+    def body(x):
+        h_s, h_t, m = x
+        log_q = jax.nn.log_softmax(student_logits(h_s).astype(jnp.float32) / temperature, axis=-1)
+        log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits(h_t)).astype(jnp.float32) / temperature,
+                                   axis=-1)
+        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B,C]
+        return jnp.sum(kl * m)
+
+    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32))
+    return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature ** 2
+
+
+def chunked_cross_entropy(hidden: jax.Array, logits_fn: LogitsFn, targets: jax.Array, mask: jax.Array, *,
+                          chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+    """(masked mean next-token CE, masked token accuracy), in token chunks of ``chunk``."""
+    hs, _ = _chunked(hidden, chunk)
+    ys, _ = _chunked(targets.astype(jnp.int32), chunk)
+    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+
+    def body(x):
+        h, y, m = x
+        z = logits_fn(h).astype(jnp.float32)  # [B,C,V]
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+        correct = (jnp.argmax(z, axis=-1) == y).astype(jnp.float32)
+        return jnp.sum(nll * m), jnp.sum(jax.lax.stop_gradient(correct) * m)
+
+    nll, correct = _scan_token_chunks(body, (hs, ys, ms), (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)))
+    denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    return nll / denom, correct / denom

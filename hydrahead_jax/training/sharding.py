@@ -1,0 +1,138 @@
+"""Device mesh and the ONE table of logical-axis rules that places every parameter, optimizer slot and batch.
+
+Parameters carry logical axis names in their ``out_sharding`` metadata (``hydrahead_jax.models.layers``); the
+rules below turn a logical name into mesh axes. A dimension whose size does not divide by the product of its
+mesh axes is replicated instead (e.g. 3 KV heads on a tensor axis of 2): correct everywhere, logged once.
+
+Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters sharded over it, ZeRO-3
+style), ``tensor`` (Megatron-style model parallel over heads / MLP width / vocabulary). All axes are
+``AxisType.Auto`` so XLA's sharding propagation chooses the collectives inside the jitted step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis, tuple of mesh axes, or None (replicated). Keep this the only such table.
+LOGICAL_AXIS_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp"),
+    "sequence": None,
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "norm": None,
+}
+
+log = logging.getLogger(__name__)
+
+
+class ShardingError(ValueError):
+    """A mesh or logical-axis specification that cannot be realised on the available devices."""
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor); at most one size may be −1 and is filled with the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [int(data), int(fsdp), int(tensor)]
+    if sizes.count(-1) > 1:
+        raise ShardingError(f"mesh sizes {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1 (fill).")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ShardingError(f"mesh sizes {dict(zip(MESH_AXES, sizes))} must be positive or -1.")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ShardingError(f"{len(devices)} devices cannot fill mesh {dict(zip(MESH_AXES, sizes))}: "
+                                f"{len(devices)} is not a multiple of {known}.")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ShardingError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+                            f"{len(devices)} are available; set one axis to -1 to fill.")
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_axes_for(name: str | None) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    if name not in LOGICAL_AXIS_RULES:
+        raise ShardingError(f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
+                            "hydrahead_jax/training/sharding.py (map it to mesh axes or None).")
+    target = LOGICAL_AXIS_RULES[name]
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+def logical_to_spec(logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for an array of ``shape`` whose dims carry ``logical`` names (None = unannotated)."""
+    if not logical:
+        return PartitionSpec()
+    if len(logical) != len(shape):
+        raise ShardingError(f"logical axes {logical} do not match an array of shape {shape}.")
+    used: set[str] = set()
+    parts = []
+    for name, dim in zip(logical, shape):
+        axes = tuple(a for a in mesh_axes_for(name) if a not in used)
+        size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+        if axes and dim % size:
+            log.info("dimension %s (%d) does not divide by mesh axes %s (%d): replicated", name, dim, axes, size)
+            axes = ()
+        used.update(axes)
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*parts)
+
+
+def _logical_of(variable: nnx.Variable) -> tuple | None:
+    meta = variable.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    return tuple(names) if names else None
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedSharding for every Variable of an nnx State (Variables or ShapeDtypeStructs inside), same structure
+    as ``nnx.as_pure(state)``."""
+    def one(v):
+        if isinstance(v, nnx.Variable):
+            value = v.get_value()
+            return NamedSharding(mesh, logical_to_spec(_logical_of(v), tuple(value.shape), mesh))
+        return NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), (0,) * ndim, mesh))
+
+
+def optimizer_shardings(tx, param_shapes, param_shardings, mesh: Mesh):
+    """Shardings of ``tx.init(params)``: slots shaped like a parameter follow it (optax.tree_map_params);
+    scalars (counts) are replicated."""
+    import optax  # local: keeps this module importable without optax for mesh-only users
+    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    return optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_shardings,
+                                 transform_non_params=lambda _: replicated(mesh))
+
+
+def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Host batch (this process's rows) → global jax Arrays sharded over the batch axes.
+
+    Single process: a plain device_put. Multi-host: each process holds its own rows (grain slices them per
+    process), assembled into one global array.
+    """
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
