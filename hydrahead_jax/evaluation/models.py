@@ -1,0 +1,139 @@
+"""Model specs of the command line → loaded models, all before any evaluation starts.
+
+Spec forms (each may be prefixed with ``LABEL=`` to name the model in tables and plots):
+
+* ``teacher:<source>`` — a plain pretrained decoder: ``smollm2-135m``, a ``.gguf`` file or a Hugging Face
+  folder (``models.load_pretrained``). It is the reference for teacher agreement.
+* ``<dir>`` — a model exported by training (``hydrahead_jax.load_hydrahead``, e.g. ``runs/x/final``), or a
+  Hugging Face folder / ``.gguf`` file of a plain decoder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+
+class ModelSpecError(ValueError):
+    """A --model spec that does not name a loadable model; the message says what was expected."""
+
+
+@dataclasses.dataclass
+class EvalModel:
+    """A model under evaluation with what the report says about it."""
+
+    name: str
+    model: nnx.Module
+    tokenizer: Any
+    kind: str                     # "teacher" | "hydrahead" | "pretrained"
+    spec: str = ""
+    train_length: int | None = None  # longest training sequence, when the export records it
+    info: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_teacher(self) -> bool:
+        return self.kind == "teacher"
+
+
+def describe(model: nnx.Module) -> dict:
+    """Parameter count and attention layout: FA groups per layer vs KV groups in all."""
+    params = nnx.state(model, nnx.Param)
+    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+    cfg = model.cfg
+    fa = [len(getattr(layer.self_attn, "fa_groups", range(cfg.num_kv_heads))) for layer in model.layers]
+    return {"params": n_params, "config": cfg.to_dict(), "fa_groups": int(sum(fa)),
+            "kv_groups": int(cfg.num_layers * cfg.num_kv_heads), "fa_groups_per_layer": fa}
+
+
+def _split_label(spec: str) -> tuple[str | None, str]:
+    head, sep, rest = spec.partition("=")
+    if sep and head and "/" not in head and ":" not in head:
+        return head, rest
+    return None, spec
+
+
+def _default_label(spec: str) -> str:
+    if spec.startswith("teacher:"):
+        return "teacher:" + Path(spec[len("teacher:"):]).name
+    p = Path(spec)
+    return f"{p.parent.name}/{p.name}" if p.parent.name else p.name
+
+
+def _looks_like_pretrained(path: Path) -> bool:
+    return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()
+                                                           and any(path.glob("*.safetensors")))
+
+
+def _train_length(path: Path) -> int | None:
+    """The longest training sequence an export records (metadata JSON next to the weights), if any."""
+    for name in ("export.json", "metadata.json", "hydrahead.json"):
+        f = path / name
+        if f.is_file():
+            try:
+                meta = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            for key in ("train_length", "max_train_length", "max_seq_len"):
+                if isinstance(meta.get(key), int):
+                    return meta[key]
+    return None
+
+
+def load_model(spec: str) -> EvalModel:
+    """Load one ``--model`` spec (see the module docstring); raises ModelSpecError with the fix."""
+    label, body = _split_label(spec)
+    name = label or _default_label(body)
+    if body.startswith("teacher:"):
+        source = body[len("teacher:"):]
+        if not source:
+            raise ModelSpecError(f"--model {spec!r}: 'teacher:' needs a source, e.g. teacher:smollm2-135m.")
+        from hydrahead_jax.models import load_pretrained
+        try:
+            model, tok = load_pretrained(source)
+        except (ValueError, OSError) as err:
+            raise ModelSpecError(f"--model {spec!r}: cannot load the teacher: {err}") from err
+        return EvalModel(name, model, tok, "teacher", spec, info=describe(model))
+    path = Path(body).expanduser()
+    if not path.exists():
+        raise ModelSpecError(f"--model {spec!r}: {path} does not exist. Give an exported model folder "
+                             "(e.g. runs/x/final), a Hugging Face folder or .gguf, or teacher:<source>.")
+    if _looks_like_pretrained(path):
+        from hydrahead_jax.models import load_pretrained
+        try:
+            model, tok = load_pretrained(str(path))
+        except (ValueError, OSError) as err:
+            raise ModelSpecError(f"--model {spec!r}: cannot load {path}: {err}") from err
+        return EvalModel(name, model, tok, "pretrained", spec, info=describe(model))
+    try:
+        from hydrahead_jax import load_hydrahead
+    except ImportError:
+        load_hydrahead = None
+    if load_hydrahead is None or not path.is_dir():
+        raise ModelSpecError(f"--model {spec!r}: {path} is not a model: expected a folder exported by training "
+                             "(runs/<name>/final), a Hugging Face folder with config.json and *.safetensors, or a "
+                             ".gguf file.")
+    try:
+        model, tok = load_hydrahead(str(path))
+    except Exception as err:  # any failure here means the folder is not a usable export
+        raise ModelSpecError(f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: "
+                             f"{err}). Expected the folder train.py writes as <workdir>/final.") from err
+    return EvalModel(name, model, tok, "hydrahead", spec, train_length=_train_length(path), info=describe(model))
+
+
+def load_models(specs: list[str]) -> list[EvalModel]:
+    """Load every spec; labels must be unique (two identical defaults get #2, #3 …)."""
+    models, seen = [], {}
+    for spec in specs:
+        m = load_model(spec)
+        if m.name in seen:
+            seen[m.name] += 1
+            m.name = f"{m.name}#{seen[m.name]}"
+        else:
+            seen[m.name] = 1
+        models.append(m)
+    return models

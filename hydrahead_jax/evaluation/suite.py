@@ -1,0 +1,248 @@
+"""The evaluation suite: a plan of small units over (model, task, length), run under one progress bar.
+
+Suite names: niah, passkey, multikey, multivalue, kv, vt (retrieval by greedy decoding through the decode
+cache), ppl (held-out perplexity), agreement (top-1 and KL against the teacher), efficiency (cache bytes, prefill
+and decode time, compiled memory); ``all`` = every one of them, ``demo`` = a short preset (see DEMO).
+
+A unit that does not fit in memory (``runner.OutOfMemory``, checked from the compiled executable before
+anything is allocated, or an allocation error) or whose prompt cannot be built at that length is recorded in
+``skipped`` with the reason; the other units of the same (model, task, length) are skipped with it and the
+suite goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from hydrahead_jax.evaluation import tasks
+from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS, Inputs, sample_depths, tokenizer_key
+from hydrahead_jax.evaluation.models import EvalModel
+from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
+
+SUITES = (*RETRIEVAL_TASKS, "ppl", "agreement", "efficiency")
+PRESETS = {"all": SUITES, "demo": ("niah", "passkey", "ppl", "agreement", "efficiency")}
+
+
+class SuiteError(ValueError):
+    """Suite settings that cannot run; the message names the setting and the fix."""
+
+
+def parse_suite(text: str | list[str]) -> tuple[str, ...]:
+    """'niah,ppl' → ('niah', 'ppl'); presets expand; unknown names are an error listing the valid ones."""
+    names = [n.strip() for part in ([text] if isinstance(text, str) else text) for n in part.split(",") if n.strip()]
+    if not names:
+        raise SuiteError("--suite is empty; give e.g. --suite niah,passkey,ppl,efficiency or --suite demo.")
+    out: list[str] = []
+    for n in names:
+        if n in PRESETS:
+            out.extend(PRESETS[n])
+        elif n in SUITES:
+            out.append(n)
+        else:
+            raise SuiteError(f"unknown suite {n!r}; choose from {', '.join(SUITES)} or the presets "
+                             f"{', '.join(PRESETS)}.")
+    return tuple(dict.fromkeys(out))
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """'1k,2k,512' → (1024, 2048, 512); k = 1024."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        except ValueError:
+            raise SuiteError(f"cannot read length {part!r}; write lengths like 512,1k,32k.") from None
+        if value < 2:
+            raise SuiteError(f"length {part!r} must be at least 2 tokens.")
+        out.append(value)
+    if not out:
+        raise SuiteError("no lengths given; write e.g. --lengths 1k,2k,4k.")
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Settings:
+    """Everything that defines the suite's inputs; written into results.json."""
+
+    suites: tuple[str, ...]
+    retrieval_lengths: tuple[int, ...]
+    ppl_lengths: tuple[int, ...]
+    efficiency_lengths: tuple[int, ...]
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    samples: int = 2              # prompts per retrieval cell (NIAH: per (length, depth))
+    ppl_windows: int = 2          # windows per (source, length)
+    decode_steps: int = 8         # timed decode steps per efficiency point
+    seed: int = 0
+    needle_type: str = "number"
+    memory_limit: int | None = None
+    haystack: str | None = None
+    texts: dict | None = None
+
+    @classmethod
+    def demo(cls, **overrides) -> "Settings":
+        """The `make demo` preset: a few NIAH/passkey prompts at 512–1K, perplexity at 512, efficiency at 1–4K."""
+        base = dict(suites=PRESETS["demo"], retrieval_lengths=(512, 1024), ppl_lengths=(512,),
+                    efficiency_lengths=(1024, 2048, 4096), depths=(0.1, 0.5, 0.9), samples=1, ppl_windows=2,
+                    decode_steps=8)
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Unit:
+    """One step of the progress bar; units sharing (model, task, source, length) are skipped together."""
+
+    model: EvalModel
+    task: str
+    length: int
+    run: Callable[[], None]
+    source: str = ""
+
+    @property
+    def cell(self) -> tuple:
+        return (self.model.name, self.task, self.source, self.length)
+
+
+class Suite:
+    """Runs ``settings`` on ``models``; ``teacher`` (an EvalModel, optional) is the agreement reference when no
+    model of kind "teacher" is among ``models``."""
+
+    def __init__(self, models: list[EvalModel], settings: Settings, *, teacher: EvalModel | None = None):
+        if not models:
+            raise SuiteError("no models to evaluate; pass --model at least once.")
+        self.models = models
+        self.settings = settings
+        self.inputs = Inputs(seed=settings.seed, haystack=settings.haystack, texts=settings.texts,
+                             needle_type=settings.needle_type)
+        self.teacher = teacher or next((m for m in models if m.is_teacher), None)
+        self.runners = {m.name: Runner(m.model, memory_limit=settings.memory_limit) for m in models}
+        if self.teacher is not None and self.teacher.name not in self.runners:
+            self.runners[self.teacher.name] = Runner(self.teacher.model, memory_limit=settings.memory_limit)
+        self.samples: list[dict] = []
+        self.text_parts: dict = defaultdict(lambda: defaultdict(list))
+        self.efficiency: list[dict] = []
+        self.skipped: list[dict] = []
+        self.notes: list[dict] = []
+        self.seconds: dict = defaultdict(float)
+        self._skip_keys: set = set()
+        self._teacher_hidden: dict = {}
+
+    # -- planning --------------------------------------------------------------------------------------
+
+    def plan(self) -> list[Unit]:
+        s, units = self.settings, []
+        # ppl and agreement share each window's forward pass: one "text" unit per window does both, planned
+        # where the first of them appears in the suite order
+        first_text = next((t for t in s.suites if t in ("ppl", "agreement")), None)
+        for m in self.models:
+            for task in s.suites:
+                if task in RETRIEVAL_TASKS:
+                    for length in s.retrieval_lengths:
+                        cells = ([(d, i) for d in s.depths for i in range(s.samples)] if task in DEPTH_GRID_TASKS
+                                 else list(zip(sample_depths(s.samples), range(s.samples))))
+                        for depth, i in cells:
+                            units.append(Unit(m, task, length, self._retrieval_unit(m, task, length, i, depth)))
+                elif task == first_text:
+                    for source in self.inputs.source_names():
+                        for length in s.ppl_lengths:
+                            for w in range(s.ppl_windows):
+                                units.append(Unit(m, "text", length, self._text_unit(m, source, length, w), source))
+                elif task == "efficiency":
+                    for length in s.efficiency_lengths:
+                        units.append(Unit(m, task, length, self._efficiency_unit(m, length)))
+        return units
+
+    def run(self, progress: bool = True) -> "Suite":
+        units = self.plan()
+        bar = tqdm(units, desc="eval", unit="unit", disable=not progress, dynamic_ncols=True)
+        for unit in bar:
+            bar.set_postfix_str(f"{unit.model.name} {unit.task} {unit.source} {unit.length}".replace("  ", " "))
+            if unit.cell in self._skip_keys:
+                continue
+            start = time.perf_counter()
+            try:
+                unit.run()
+            except (OutOfMemory, _Unbuildable) as err:
+                self._skip_keys.add(unit.cell)
+                self.skipped.append({"model": unit.model.name, "task": unit.task, "source": unit.source,
+                                     "length": unit.length, "reason": str(err)})
+            finally:
+                self.seconds[(unit.model.name, unit.task)] += time.perf_counter() - start
+        return self
+
+    # -- units -----------------------------------------------------------------------------------------
+
+    def _retrieval_unit(self, m: EvalModel, task: str, length: int, sample: int, depth: float):
+        def run():
+            try:
+                example = self.inputs.example(task, m.tokenizer, length=length, sample=sample, depth=depth)
+            except ValueError as err:  # e.g. the length cannot hold the task's fixed text
+                raise _Unbuildable(f"no prompt at this length: {err}") from err
+            rec = tasks.retrieval(self.runners[m.name], m.tokenizer, example)
+            self.samples.append({"model": m.name, "task": task, "target_depth": depth, "sample": sample,
+                                 "nominal_length": length, **rec})
+        return run
+
+    def _teacher_states(self, source: str, length: int, window: int, ids: np.ndarray):
+        key = (source, length, window)
+        if key not in self._teacher_hidden:
+            self._teacher_hidden[key] = self.runners[self.teacher.name].hidden_states(np.asarray(ids)[None])
+        return self._teacher_hidden[key]
+
+    def _text_unit(self, m: EvalModel, source: str, length: int, window: int):
+        s = self.settings
+
+        def run():
+            windows, size = self.inputs.windows(source, m.tokenizer, length, s.ppl_windows)
+            if window >= len(windows):
+                msg = (f"held-out source {source!r} has {size} tokens: {len(windows)} window(s) of {length} instead "
+                       f"of {s.ppl_windows}")
+                if not windows:
+                    raise _Unbuildable(msg)
+                if window == len(windows):  # noted once per cell; the cell reports its real n
+                    self.notes.append({"model": m.name, "task": "text", "source": source, "length": length,
+                                       "note": msg})
+                return
+            ids = windows[window]
+            runner = self.runners[m.name]
+            agree = "agreement" in s.suites and self.teacher is not None and not m.is_teacher and \
+                self._same_tokenizer(m)
+            is_reference = self.teacher is not None and m.name == self.teacher.name and "agreement" in s.suites
+            hidden = self._teacher_states(source, length, window, ids) if is_reference else None
+            out = tasks.text_window(runner, ids, want_nll="ppl" in s.suites, hidden=hidden,
+                                    teacher=self.runners[self.teacher.name] if agree else None,
+                                    teacher_hidden=self._teacher_states(source, length, window, ids) if agree else None)
+            cell = self.text_parts[(m.name, source, length)]
+            cell["window"].append(window)
+            for k in ("nll", "top1", "kl"):
+                if out[k] is not None:
+                    cell[k].append(out[k])
+        return run
+
+    def _same_tokenizer(self, m: EvalModel) -> bool:
+        return tokenizer_key(m.tokenizer) == tokenizer_key(self.teacher.tokenizer)
+
+    def _efficiency_unit(self, m: EvalModel, length: int):
+        vocab = min(int(x.model.cfg.vocab_size) for x in self.models)
+
+        def run():
+            sizes = tasks.cache_sizes(m.model, length)
+            point = tasks.efficiency(self.runners[m.name], self.inputs.random_prompt(length, vocab),
+                                     decode_steps=self.settings.decode_steps)
+            self.efficiency.append({"model": m.name, "length": length, **sizes, **point})
+        return run
+
+
+class _Unbuildable(Exception):
+    """A unit whose inputs cannot exist at this length (too short a prompt, too little held-out text)."""
