@@ -59,11 +59,12 @@ def _bwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, st_ref, do_ref, dsT_ref,
     ds0_ref[...] = jax.lax.fori_loop(0, N, body, dsT_ref[...].astype(_F32))
 
 
-def _params(num_warps):
-    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
+def _params(num_warps, kp):
+    # Wider heads hold 3 (C, K) fp32 tiles plus the state per program: spread them over 8 warps.
+    return plt.CompilerParams(num_warps=num_warps or (8 if kp >= 128 else 4), num_stages=1)
 
 
-def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=False, block_v=None, num_warps=4):
+def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=False, block_v=None, num_warps=None):
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
     C = chunk_size
@@ -84,14 +85,14 @@ def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=F
                   pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)), state],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(num_warps),
+        compiler_params=_params(num_warps, Kp),
         interpret=interpret,
         name="gated_delta_fwd",
     )(q, k, w, u, g, s0)
     return outs[0], outs[1], (outs[2] if save_states else None)
 
 
-def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None, num_warps=4):
+def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None, num_warps=None):
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
     C = chunk_size
@@ -113,7 +114,7 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
         out_shape=[jax.ShapeDtypeStruct((B, H, nv, Tp, Kp), _F32)] * 3
         + [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32), jax.ShapeDtypeStruct((B, H, nv, Tp, 1), _F32),
            jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
-        compiler_params=_params(num_warps),
+        compiler_params=_params(num_warps, Kp),
         interpret=interpret,
         name="gated_delta_bwd",
     )(q, k, w, u, g, states, do, dsT)
@@ -122,7 +123,7 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
 
 
 @functools.lru_cache(maxsize=None)
-def recurrence(chunk_size=64, interpret=False, block_v=None, num_warps=4):
+def recurrence(chunk_size=64, interpret=False, block_v=None, num_warps=None):
     """The custom_vjp recurrence for one static configuration (cached so jit sees one function)."""
     kw = dict(chunk_size=chunk_size, interpret=interpret, block_v=block_v, num_warps=num_warps)
     return common.make_recurrence(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
@@ -130,7 +131,7 @@ def recurrence(chunk_size=64, interpret=False, block_v=None, num_warps=4):
 
 def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                       use_qk_l2norm, chunk_size=64, interpret=False, block_v=None,
-                                      num_warps=4, prec=None):
+                                      num_warps=None, prec=None):
     rec = recurrence(chunk_size, interpret, block_v, num_warps)
     return common.chunk_gated_delta_rule_pallas(
         rec, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
