@@ -263,3 +263,12 @@ def test_synthetic_row_masks_answer_only(prose_store, bpe):
     np.testing.assert_array_equal(r["targets"][r["loss_mask"] == 1], ex.answer_ids)
     np.testing.assert_array_equal(np.flatnonzero(r["loss_mask"]), np.arange(p - 1, p + a - 1))
     assert f["loss_mask"].sum() == 300 and np.all(f["segment_ids"] == 1)
+
+
+def test_documents_source(tiny_store):
+  from hydrahead_jax.data.pipeline import Documents
+  docs = Documents(CorpusStore(tiny_store))
+  assert len(docs) == 3
+  np.testing.assert_array_equal(docs[1]["tokens"], [4, 5, 0])
+  shuffled = [int(d["document"]) for d in docs.shuffle(seed=0)]
+  assert sorted(shuffled) == [0, 1, 2]
