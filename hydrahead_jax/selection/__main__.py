@@ -1,0 +1,50 @@
+"""Head selection from the command line:
+
+    python -m hydrahead_jax.selection --source smollm2-135m --ratio 7:1 --allocation global \
+        --method combined --out runs/select
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from hydrahead_jax.selection.select import ALLOCATIONS, METHODS, SelectionConfig, run_selection
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv: Sequence[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", default="smollm2-135m", help="teacher: smollm2-135m, a .gguf or an HF folder")
+    p.add_argument("--out", required=True, help="folder for head_map.json and head_scores.png")
+    p.add_argument("--ratio", default="7:1", help="LA:FA like 7:1 or 3:1, a percentage, or an FA fraction")
+    p.add_argument("--allocation", default="global", choices=ALLOCATIONS)
+    p.add_argument("--method", default="combined", choices=METHODS)
+    p.add_argument("--preset", default="demo", choices=("demo", "paper"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--niah_prompts", type=int)
+    p.add_argument("--niah_lengths", type=_ints, help="comma-separated token lengths, e.g. 256,512")
+    p.add_argument("--niah_depths", type=_floats, help="comma-separated depths in [0, 1]")
+    p.add_argument("--decode", choices=("greedy", "teacher_forced"))
+    p.add_argument("--ablation_prompts", type=int)
+    p.add_argument("--ablation_length", type=int)
+    p.add_argument("--ablation_mode", choices=("mean", "zero"))
+    p.add_argument("--ablation_scope", choices=("answer", "all"))
+    p.add_argument("--group_aggregate", choices=("mean", "max"))
+    args = vars(p.parse_args(argv))
+    source, out, preset = args.pop("source"), args.pop("out"), args.pop("preset")
+    settings = {k: v for k, v in args.items() if v is not None}
+    sel = SelectionConfig.paper(**settings) if preset == "paper" else SelectionConfig(**settings)
+    from hydrahead_jax.models import load_pretrained
+    model, tokenizer = load_pretrained(source)
+    return run_selection(model, tokenizer, sel, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Stage 0: probe the teacher, choose the FA KV groups at a target ratio, write the head map and its heatmap.
+
+Methods (scores are [layers × KV groups], higher = keep as full attention):
+  retrieval   the retrieval score (probes.retrieval_scores), aggregated per KV group
+  ablation    the drop in the answer log-probability when the group is ablated (probes.ablation_scores)
+  combined    the mean of the two scores' normalised ranks: r(s)_i = rank_i / (n − 1) ∈ [0, 1] over all L·G
+              groups (ties share their mean rank), combined = (r(retrieval) + r(ablation)) / 2. Ranks, because
+              the two scores live on unrelated scales (a fraction of needle tokens vs nats)
+  random      a seeded uniform draw (the baseline)
+  layerwise   whole layers FA, the layer-wise hybrid baseline (HeadMap.layerwise; allocation is ignored)
+Allocation: ``per_layer`` keeps the same number of FA groups k = f·G in every layer (f·G must be a whole number);
+``global`` keeps the top round(f·L·G) groups of the whole model (at least one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hydrahead_jax.hybrid.head_map import HeadMap, HeadMapError, parse_ratio
+
+METHODS = ("retrieval", "ablation", "combined", "random", "layerwise")
+ALLOCATIONS = ("per_layer", "global")
+
+
+class SelectionError(ValueError):
+    """Settings that head selection cannot honour; the message names the setting and the fix."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings.
+
+@dataclasses.dataclass(frozen=True)
+class SelectionConfig:
+    """Head-selection settings. Defaults fit the CPU demo (≈ 2–4 min on SmolLM2-135M); ``paper()`` probes more."""
+
+    method: str = "combined"
+    ratio: str = "7:1"
+    allocation: str = "global"
+    seed: int = 0
+    group_aggregate: str = "mean"  # retrieval score of a KV group: mean | max over its query heads
+    # Retrieval probe: needle-in-a-haystack prompts, one per (length, depth, needle type) up to niah_prompts.
+    niah_prompts: int = 6
+    niah_lengths: tuple[int, ...] = (256, 512)
+    niah_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    niah_needle_types: tuple[str, ...] = ("number", "word")
+    decode: str = "greedy"  # greedy | teacher_forced
+    max_extra_tokens: int = 4
+    # Ablation probe: passkey and key-value retrieval prompts.
+    ablation_tasks: tuple[str, ...] = ("passkey", "kv_retrieval")
+    ablation_prompts: int = 8  # in all, split evenly over ablation_tasks
+    ablation_length: int = 160
+    ablation_mode: str = "mean"  # mean | zero
+    ablation_scope: str = "answer"  # answer | all (see probes.ablation_scores)
+    batch_size: int = 8
+    haystack: str = "enwiki"  # corpus source for haystacks (hydrahead_jax.data.corpus.resolve_source)
+
+    @classmethod
+    def paper(cls, **overrides) -> "SelectionConfig":
+        """More, longer probes and the faithful all-position ablation (hours on a CPU; minutes on an accelerator)."""
+        base = dict(niah_prompts=40, niah_lengths=(1024, 2048, 4096), niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+                    niah_needle_types=("number", "word", "uuid"), ablation_prompts=32, ablation_length=512,
+                    ablation_scope="all")
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> "SelectionConfig":
+        """From a SelectionConfig, a dict or an ml_collections ConfigDict (``preset: "paper"`` picks the preset)."""
+        if isinstance(cfg, cls):
+            return cfg
+        if cfg is None:
+            return cls()
+        data = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        preset = data.pop("preset", "demo")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SelectionError(f"unknown selection settings {unknown}; valid ones are {sorted(known)}.")
+        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        if preset == "paper":
+            return cls.paper(**data)
+        if preset != "demo":
+            raise SelectionError(f"selection preset {preset!r} is unknown; use 'demo' or 'paper'.")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def validate_config(sel: SelectionConfig, model_cfg) -> None:
+    """Every check that can fail before a probe runs: method, ratio vs model, lengths vs context."""
+    if sel.method not in METHODS:
+        raise SelectionError(f"selection method {sel.method!r} is unknown; choose one of {METHODS}.")
+    if sel.allocation not in ALLOCATIONS:
+        raise SelectionError(f"allocation {sel.allocation!r} is unknown; choose one of {ALLOCATIONS}.")
+    fa_count(sel.ratio, sel.allocation, model_cfg.num_layers, model_cfg.num_kv_heads)
+    choices = {"group_aggregate": ("mean", "max"), "decode": ("greedy", "teacher_forced"),
+               "ablation_mode": ("mean", "zero"), "ablation_scope": ("answer", "all")}
+    for name, allowed in choices.items():
+        if getattr(sel, name) not in allowed:
+            raise SelectionError(f"{name}={getattr(sel, name)!r}; choose one of {allowed}.")
+    if sel.method in ("random", "layerwise"):
+        return
+    limit = model_cfg.max_position_embeddings
+    longest = max(sel.niah_lengths + (sel.ablation_length,)) + sel.max_extra_tokens + 64
+    if longest > limit:
+        raise SelectionError(f"probe prompts of up to {longest} tokens (longest probe length plus the answer) "
+                             f"exceed the model's context of {limit} tokens (max_position_embeddings); "
+                             "shorten niah_lengths / ablation_length.")
+    if min(sel.niah_lengths + (sel.ablation_length,)) < 64:
+        raise SelectionError("probe lengths must be at least 64 tokens (room for the instructions and a needle).")
+    if sel.method in ("retrieval", "combined") and sel.niah_prompts < 1:
+        raise SelectionError("niah_prompts must be >= 1 for the retrieval score.")
+    if sel.method in ("ablation", "combined") and (sel.ablation_prompts < len(sel.ablation_tasks)
+                                                   or not sel.ablation_tasks):
+        raise SelectionError("ablation_prompts must be >= the number of ablation_tasks (one prompt per task).")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Selection.
+
+def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> int:
+    """FA groups per layer (per_layer) or in the model (global) for a ratio; errors when it cannot be met."""
+    try:
+        f = parse_ratio(ratio)
+    except HeadMapError as e:
+        raise SelectionError(str(e)) from None
+    if f <= 0:
+        raise SelectionError(f"ratio {ratio!r} keeps no FA group; head selection needs at least one "
+                             "(an all-linear model is HeadMap.all_la).")
+    if allocation == "per_layer":
+        k = f * num_groups
+        if abs(k - round(k)) > 1e-6 or round(k) < 1:
+            achievable = ", ".join(f"{num_groups - j}:{j}" for j in range(1, num_groups + 1))
+            raise SelectionError(
+                f"ratio {ratio!r} (FA fraction {f:.4g}) needs {k:.3g} FA groups per layer, but each layer has "
+                f"{num_groups} KV groups; per_layer allocation can only meet LA:FA ratios {achievable}. "
+                f"Use allocation='global' (top-k over all {num_layers * num_groups} groups) instead.")
+        return int(round(k))
+    if allocation == "global":
+        return max(1, int(math.floor(f * num_layers * num_groups + 0.5)))
+    raise SelectionError(f"allocation {allocation!r} is unknown; choose one of {ALLOCATIONS}.")
+
+
+def rank_normalise(scores: np.ndarray) -> np.ndarray:
+    """Ranks of all entries scaled to [0, 1] (lowest 0, highest 1); tied entries share their mean rank."""
+    flat = np.asarray(scores, np.float64).ravel()
+    order = np.argsort(flat, kind="stable")
+    ranks = np.empty(flat.size)
+    ranks[order] = np.arange(flat.size, dtype=np.float64)
+    for value in np.unique(flat):  # average the ranks of ties so equal scores stay equal
+        tie = flat == value
+        ranks[tie] = ranks[tie].mean()
+    return (ranks / max(flat.size - 1, 1)).reshape(np.shape(scores))
+
+
+def _top(scores: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """Indices of the k largest entries; ties go to the lower (layer, group), so the result is deterministic."""
+    flat = np.asarray(scores, np.float64).ravel()
+    order = np.lexsort((np.arange(flat.size), -flat))[:k]
+    cols = scores.shape[1]
+    return [(int(i) // cols, int(i) % cols) for i in order]
+
+
+def select_fa_groups(scores: np.ndarray | None, *, ratio: str | float, allocation: str = "global",
+                     method: str = "retrieval", seed: int = 0, num_layers: int | None = None,
+                     num_groups: int | None = None, layerwise_cfg=None) -> list[list[int]]:
+    """FA KV groups per layer from a [L, G] score matrix (higher = keep FA).
+
+    For method "random" the scores may be None (give num_layers and num_groups); "layerwise" needs the model
+    config (``layerwise_cfg``) and returns HeadMap.layerwise's whole-layer choice. Score-based methods take the
+    matrix as given (for "combined" pass the combined matrix, see ``combine_scores``).
+    """
+    if method not in METHODS:
+        raise SelectionError(f"selection method {method!r} is unknown; choose one of {METHODS}.")
+    if method == "layerwise":
+        if layerwise_cfg is None:
+            raise SelectionError("method 'layerwise' needs the model config (layerwise_cfg=model.cfg).")
+        return HeadMap.layerwise(layerwise_cfg, ratio=ratio).fa_groups
+    if scores is not None:
+        scores = np.asarray(scores, np.float64)
+        if scores.ndim != 2:
+            raise SelectionError(f"scores must be a [layers, kv_groups] matrix, got shape {scores.shape}.")
+        num_layers, num_groups = scores.shape
+        if not np.all(np.isfinite(scores)):
+            raise SelectionError("scores contain NaN or inf; the probe failed.")
+    elif method != "random" or num_layers is None or num_groups is None:
+        raise SelectionError(f"method {method!r} needs a score matrix (random needs num_layers and num_groups).")
+    k = fa_count(ratio, allocation, num_layers, num_groups)
+    if method == "random":
+        scores = np.random.default_rng(seed).random((num_layers, num_groups))
+    chosen: list[list[int]] = [[] for _ in range(num_layers)]
+    if allocation == "per_layer":
+        for layer in range(num_layers):
+            chosen[layer] = sorted(g for _, g in _top(scores[layer:layer + 1], k))
+    else:
+        for layer, g in _top(scores, k):
+            chosen[layer].append(g)
+        chosen = [sorted(c) for c in chosen]
+    return chosen
+
+
+def combine_scores(retrieval: np.ndarray, ablation: np.ndarray) -> np.ndarray:
+    """(rank_normalise(retrieval) + rank_normalise(ablation)) / 2."""
+    return (rank_normalise(retrieval) + rank_normalise(ablation)) / 2.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Probe prompts.
+
+def make_haystack(tokenizer, source: str = "enwiki"):
+    """A Haystack of real text: the default Wikipedia corpus, or any source hydrahead_jax.data accepts."""
+    from hydrahead_jax.data.corpus import load_enwiki_documents, resolve_source
+    from hydrahead_jax.data.synthetic import Haystack
+    docs = load_enwiki_documents() if source == "enwiki" else resolve_source(source).read_documents()
+    return Haystack(docs, tokenizer)
+
+
+def niah_examples(tokenizer, haystack, sel: SelectionConfig) -> list:
+    """sel.niah_prompts NIAH prompts cycling over lengths, depths and needle types, seeded from sel.seed."""
+    from hydrahead_jax.data.synthetic import niah
+    # Cycle each setting independently, so a handful of prompts already mixes lengths, depths and needle types.
+    picks = [(sel.niah_lengths[i % len(sel.niah_lengths)], sel.niah_depths[i % len(sel.niah_depths)],
+              sel.niah_needle_types[i % len(sel.niah_needle_types)]) for i in range(sel.niah_prompts)]
+    return [niah(tokenizer, haystack, length=n, depth=d, needle_type=t, seed=sel.seed * 100_003 + i)
+            for i, (n, d, t) in enumerate(picks)]
+
+
+def ablation_examples(tokenizer, haystack, sel: SelectionConfig, *, count: int | None = None,
+                      seed_offset: int = 0) -> list:
+    """Passkey / key-value prompts (evenly split over sel.ablation_tasks) at sel.ablation_length."""
+    from hydrahead_jax.data.synthetic import generate
+    count = sel.ablation_prompts if count is None else count
+    tasks = sel.ablation_tasks
+    return [generate(tasks[i % len(tasks)], tokenizer, haystack, length=sel.ablation_length,
+                     seed=sel.seed * 100_003 + 50_000 + seed_offset + i, depth=(i // len(tasks) + 0.5) /
+                     max(1, -(-count // len(tasks))))
+            for i in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The stage.
+
+def run_selection(model, tokenizer, cfg: Any = None, out_dir: str | os.PathLike | None = None, *,
+                  haystack=None, log=print) -> HeadMap:
+    """Probe ``model``, choose FA groups, write ``out_dir/head_map.json`` and ``out_dir/head_scores.png``.
+
+    cfg: SelectionConfig, a dict or an ml_collections ConfigDict of its fields. Deterministic for a seed (the
+    prompts and the random baseline derive from ``seed``). Returns the HeadMap.
+    """
+    from hydrahead_jax.selection import probes
+
+    sel = SelectionConfig.from_any(cfg)
+    model_cfg = model.cfg
+    validate_config(sel, model_cfg)
+    started = time.time()
+    scores: dict[str, np.ndarray] = {}
+    head_scores: dict[str, np.ndarray] = {}
+    probe_info: dict[str, Any] = {"settings": sel.to_dict()}
+    needs_retrieval = sel.method in ("retrieval", "combined")
+    needs_ablation = sel.method in ("ablation", "combined")
+    if needs_retrieval or needs_ablation:
+        haystack = make_haystack(tokenizer, sel.haystack) if haystack is None else haystack
+        teacher = probes.functional_teacher(model)
+    if needs_retrieval:
+        examples = niah_examples(tokenizer, haystack, sel)
+        r = probes.retrieval_scores(model, tokenizer, examples, decode=sel.decode,
+                                    max_extra_tokens=sel.max_extra_tokens, batch_size=sel.batch_size,
+                                    group_aggregate=sel.group_aggregate, teacher=teacher)
+        scores["retrieval"], head_scores["retrieval"] = r["group_scores"], r["head_scores"]
+        probe_info["retrieval"] = {"num_prompts": r["num_prompts"], "num_correct": r["num_correct"],
+                                   "prompts": r["prompts"]}
+        log(f"[select] retrieval probe: {r['num_correct']}/{r['num_prompts']} NIAH prompts answered correctly "
+            f"({time.time() - started:.0f}s)")
+        if r["num_correct"] == 0:
+            log("[select] WARNING: the teacher answered no NIAH prompt, so every retrieval score is 0; "
+                "use shorter niah_lengths or the ablation method.")
+    if needs_ablation:
+        examples = ablation_examples(tokenizer, haystack, sel)
+        drops, correct = [], []
+        for start in range(0, len(examples), sel.batch_size):
+            chunk = examples[start:start + sel.batch_size]
+            batch = probes.make_batch([e.prompt_ids for e in chunk], [e.answer_ids for e in chunk])
+            a = probes.ablation_scores(teacher, batch, mode=sel.ablation_mode, scope=sel.ablation_scope)
+            drops.append(a["drop"])
+            correct.extend(a["clean_correct"].tolist())
+        drop = np.concatenate(drops, axis=-1)  # [L, G, prompts]
+        scores["ablation"] = drop.mean(-1)
+        probe_info["ablation"] = {"num_prompts": len(examples), "clean_correct": int(sum(correct)),
+                                  "tasks": [e.task for e in examples]}
+        log(f"[select] ablation probe on {len(examples)} prompts (teacher exact on {sum(correct)}) "
+            f"({time.time() - started:.0f}s)")
+    if sel.method == "combined":
+        scores["combined"] = combine_scores(scores["retrieval"], scores["ablation"])
+    fa_groups = select_fa_groups(scores.get(sel.method), ratio=sel.ratio, allocation=sel.allocation,
+                                 method=sel.method, seed=sel.seed, num_layers=model_cfg.num_layers,
+                                 num_groups=model_cfg.num_kv_heads, layerwise_cfg=model_cfg)
+    probe_info["seconds"] = round(time.time() - started, 1)
+    if "retrieval" in head_scores:
+        probe_info["retrieval_head_scores"] = np.round(head_scores["retrieval"], 6).tolist()
+    allocation = sel.allocation if sel.method != "layerwise" else "global"
+    head_map = HeadMap.from_fa_groups(model_cfg, fa_groups, method=sel.method, target_ratio=sel.ratio,
+                                      allocation=allocation, probe=probe_info,
+                                      scores={k: np.round(v, 6).tolist() for k, v in scores.items()})
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        head_map.save(os.path.join(out_dir, "head_map.json"))
+        if scores:
+            from hydrahead_jax.selection.plot import plot_scores
+            plot_scores(scores, fa_groups, os.path.join(out_dir, "head_scores.png"),
+                        head_scores=head_scores.get("retrieval"), title=f"{model_cfg.name}: {sel.method}, "
+                        f"{sel.ratio} {allocation}")
+        log(f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}; "
+            f"wrote {os.path.join(out_dir, 'head_map.json')}")
+    return head_map
+
+
+def fa_groups_as_pairs(fa_groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """[[groups of layer 0], ...] → [(layer, group), ...]."""
+    return [(layer, g) for layer, groups in enumerate(fa_groups) for g in groups]
