@@ -7,6 +7,7 @@
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
 checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new.
 """
+import importlib.util
 import sys
 
 from absl import app, flags, logging
@@ -21,6 +22,45 @@ _UNTIL = flags.DEFINE_enum("until_stage", None, _STAGES, "Run the stages up to a
 _FORCE_NEW = flags.DEFINE_bool("force_new", False, "Start over in a workdir that holds a run of another config "
                                "(the old run is moved aside to WORKDIR.replaced-<time>).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _unknown_override(argv) -> str | None:
+    """The first --config.a.b=... override whose key the recipe does not define, with the keys it does define."""
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        path = argv[argv.index("--config") + 1]
+    if path is None:
+        return None
+    file, _, arg = path.partition(":")
+    spec = importlib.util.spec_from_file_location("_recipe", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+    for a in argv:
+        if not a.startswith("--config."):
+            continue
+        node, keys = config, a[len("--config."):].split("=", 1)[0].split(".")
+        for depth, key in enumerate(keys):
+            if not hasattr(node, "keys") or key not in node:
+                where = ".".join(["config"] + keys[:depth])
+                valid = sorted(node.keys()) if hasattr(node, "keys") else []
+                return (f"unknown config key {'.'.join(keys)!r} in {a!r}: {where} has no field {key!r}"
+                        + (f"; its fields are {valid}." if valid else "."))
+            node = node[key]
+    return None
+
+
+def _parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, flags.Error) as error:
+        message = None
+        try:
+            message = _unknown_override(argv)
+        except Exception:  # noqa: BLE001 — fall back to the original error below
+            pass
+        print(f"error: {message or error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def main(argv):
@@ -42,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -91,7 +91,7 @@ def make_train_step(student_graphdef, teacher_graphdef, tx: optax.GradientTransf
             state["params"], state["frozen"], teacher_state, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
         new_state = {"params": params, "frozen": state["frozen"], "opt_state": opt_state,
                      "step": state["step"] + 1}
         return new_state, metrics

@@ -1,0 +1,80 @@
+"""Sharded training on 8 simulated CPU devices: the same losses as one device, parameters placed by the rules."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from train_helpers import tiny_config
+from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student
+from hydrahead_jax.models import Transformer
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.training import sharding as shd
+from hydrahead_jax.training.data import make_stage_iterator
+from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, run_stage
+
+
+def _losses(workdir):
+    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(tmp_path, name, mesh):
+    c = tiny_config()
+    c.stage2.steps = 5
+    c.stage2.checkpoint_every = 5
+    cfg = ModelConfig.from_dict(dict(c.teacher.model))
+    teacher = Transformer(cfg, rngs=nnx.Rngs(0))
+    head_map = HeadMap.from_fa_groups(cfg, [[0], [1]], method="test")
+    hybrid = HybridConfig.from_dict(dict(c.hybrid))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid, nnx.Rngs(0))))
+    init = lambda: jax.tree.map(lambda x: x.copy(), nnx.as_pure(nnx.state(  # noqa: E731
+        build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(0)))))
+    workdir = tmp_path / name
+    workdir.mkdir()
+    spec = StageSpec(kind="distil", config_key="stage2", directory=workdir / "stage2_distil", stage_cfg=c.stage2,
+                     trainable=nnx.Param, meta={},
+                     make_iterator=lambda: make_stage_iterator(c.data, seq_len=32, batch_size=4, seed=1,
+                                                               vocab_size=cfg.vocab_size))
+    final = run_stage(spec, student_graphdef=graphdef, abstract_student=abstract, initial_student=init,
+                      teacher=TeacherHandle(teacher, mesh), mesh=mesh, workdir=workdir, logging_cfg=c.logging)
+    return _losses(workdir), final
+
+
+def test_mesh_2x2x2_matches_one_device(tmp_path):
+    one = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cube = shd.make_mesh(2, 2, 2)
+    assert dict(cube.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    losses_one, _ = _run(tmp_path, "one", one)
+    losses_cube, final = _run(tmp_path, "cube", cube)
+    assert len(losses_one) == len(losses_cube) == 5
+    np.testing.assert_allclose(losses_cube, losses_one, rtol=2e-4, atol=1e-6)
+
+    # Parameters sit where the rules say: embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor, norms replicated.
+    layer = final["layers"][0]
+    expect = {
+        ("embed_tokens", "embedding"): (final["embed_tokens"]["embedding"], P("tensor", "fsdp")),
+        ("mlp", "gate_proj"): (layer["mlp"]["gate_proj"]["kernel"], P("fsdp", "tensor")),
+        ("mlp", "down_proj"): (layer["mlp"]["down_proj"]["kernel"], P("tensor", "fsdp")),
+        ("attn", "q_proj"): (layer["self_attn"]["q_proj"]["kernel"], P("fsdp", "tensor")),
+        ("attn", "k_proj"): (layer["self_attn"]["k_proj"]["kernel"], P("fsdp", "tensor")),
+        ("norm",): (final["norm"]["weight"], P(None)),
+    }
+    for name, (array, spec) in expect.items():
+        assert array.sharding.spec == spec, (name, array.sharding.spec)
+        assert array.sharding.mesh.shape == cube.shape
+        # Really split: each device holds 1/(product of its mesh axes) of the array.
+        parts = np.prod([cube.shape[a] for a in spec if a is not None] or [1])
+        assert array.addressable_shards[0].data.size == array.size // parts
+
+
+def test_rules_replicate_indivisible_dims_and_refuse_unknown_names():
+    mesh = shd.make_mesh(1, 2, 4)
+    assert shd.logical_to_spec(("embed", "kv_heads"), (32, 6), mesh) == P("fsdp", None)  # 6 % 4 != 0
+    assert shd.logical_to_spec(("batch", None), (8, 5), mesh) == P(("data", "fsdp"), None)
+    with pytest.raises(shd.ShardingError, match="no rule"):
+        shd.logical_to_spec(("nonsense",), (4,), mesh)
+    with pytest.raises(shd.ShardingError, match="needs 6 devices"):
+        shd.make_mesh(1, 2, 3)
+    assert dict(shd.make_mesh(-1, 2, 1).shape) == {"data": 4, "fsdp": 2, "tensor": 1}
