@@ -1,0 +1,323 @@
+"""HydraHead students on tiny random teachers: exact weight reuse, the LA path against a numpy recurrence written
+from the DESIGN equations, fusion, prefill + decode == full forward, bf16, and the distance to the teacher at init."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student, new_param_filter
+from hydrahead_jax.models.attention import Attention
+from hydrahead_jax.models.generate import generate
+from hydrahead_jax.models.transformer import Transformer
+
+CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=16, qk_norm=True, attention_bias=True, rms_norm_eps=1e-5)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def forward(model, ids):
+    return np.asarray(_forward(*nnx.split(model), jnp.asarray(ids)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _perturbed(values, positive, seed_scale, key):
+    scale = seed_scale
+    out = []
+    for i, (value, pos) in enumerate(zip(values, positive)):
+        noise = jax.random.normal(jax.random.fold_in(key, i), value.shape, jnp.float32) * scale
+        v32 = value.astype(jnp.float32)
+        out.append((v32 * jnp.exp(noise) if pos else v32 + noise).astype(value.dtype))
+    return out
+
+
+def perturb(model, filt, seed, scale=0.3):
+    """Add noise to every parameter selected by ``filt`` (norm weights and γ stay positive), in place; one jit."""
+    flat = list(nnx.to_flat_state(nnx.state(model, filt)))
+    positive = tuple(path[-1] in ("gamma", "o_norm_weight", "weight") for path, _ in flat)
+    values = _perturbed([var[...] for _, var in flat], positive, scale, jax.random.key(seed))
+    for (_, var), value in zip(flat, values):
+        var.set_value(value)
+    nnx.update(model, nnx.from_flat_state(flat))
+
+
+@functools.lru_cache(maxsize=None)
+def _random_teacher(cfg, seed):
+    teacher = Transformer(cfg, rngs=nnx.Rngs(seed))
+    perturb(teacher, nnx.Param, seed + 100, scale=0.1)  # biases and norm weights away from 0 and 1
+    return teacher
+
+
+def random_teacher(cfg=CFG, seed=0):
+    """A random teacher (built once per config and seed; callers get their own copy)."""
+    return nnx.clone(_random_teacher(cfg, seed))
+
+
+def ids_of(shape, seed=1, vocab=CFG.vocab_size):
+    return np.asarray(jax.random.randint(jax.random.key(seed), shape, 0, vocab), np.int32)
+
+
+def _kl(p_logits, q_logits):
+    """Mean over tokens of KL(p ‖ q) in nats, float64."""
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+
+# ------------------------------------------------------------------------------------------ reuse and identity
+def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init():
+    teacher = random_teacher()
+    # A peaked teacher (a random one with 0.02-scale logits is nearly uniform), so the KL below is informative.
+    teacher.lm_head.kernel.set_value(teacher.lm_head.kernel[...] * 10)
+    ids = ids_of((2, 48), seed=8)
+    t_logits = forward(teacher, ids)
+    student = build_student(teacher, HeadMap.all_fa(CFG), HybridConfig(), rngs=nnx.Rngs(7), calibration_ids=ids)
+    np.testing.assert_array_equal(forward(student, ids), t_logits)  # KL exactly 0
+
+    head_map = HeadMap.from_fa_groups(CFG, [[0, 1], [], [1]], method="test")
+    hybrid = build_student(teacher, head_map, HybridConfig(), rngs=nnx.Rngs(7), calibration_ids=ids)
+    teacher_flat = dict(nnx.to_flat_state(nnx.state(teacher, nnx.Param)))
+    student_flat = dict(nnx.to_flat_state(nnx.state(hybrid, nnx.Param)))
+    new_paths = {p for p, _ in nnx.to_flat_state(nnx.state(hybrid, new_param_filter))}
+    # Every teacher weight (embeddings, norms, MLP, q/k/v/o, biases, q/k norms, lm_head) lands bit-exactly (the
+    # student was initialised from another seed, and the teacher's biases / norm weights are not 0 / 1) ...
+    assert set(teacher_flat) == set(student_flat) - new_paths
+    for path, var in teacher_flat.items():
+        np.testing.assert_array_equal(np.asarray(student_flat[path][...]), np.asarray(var[...]), err_msg=str(path))
+    # ... and the new parameters are exactly the GDN and fusion ones of the hybrid layers (layers 1 and 2).
+    assert new_paths and all(("gdn" in p or "fusion" in p) and p[1] in (1, 2) for p in new_paths)
+    assert {p[-2] if p[-1] in ("kernel", "bias") else p[-1] for p in new_paths} == {
+        "a_proj", "b_proj", "A_log", "dt_bias", "conv_weight", "z_proj", "o_norm_weight", "gamma"}
+    assert not hasattr(hybrid.layers[0].self_attn, "gdn")  # an all-FA layer stays the teacher's layer
+
+    s_logits = forward(hybrid, ids)
+    kl, uniform_kl = _kl(t_logits, s_logits), _kl(t_logits, np.zeros_like(t_logits))
+    print(f"\nKL(teacher || hybrid student at init) = {kl:.4f} nats/token (KL to uniform {uniform_kl:.4f})")
+    assert np.isfinite(s_logits).all() and kl > 0.0
+
+
+def test_subset_of_groups_needs_a_hybrid_config():
+    with pytest.raises(ValueError, match="hybrid_cfg"):
+        Attention(CFG, rngs=nnx.Rngs(0), fa_groups=(1,))
+    with pytest.raises(ValueError, match="distinct KV group"):
+        Attention(CFG, rngs=nnx.Rngs(0), fa_groups=(2,), hybrid_cfg=HybridConfig())
+
+
+# ------------------------------------------------------------------------------------------ numpy oracle
+def _np(v):
+    return np.asarray(v[...], np.float64)
+
+
+def _rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, theta):
+    """Half-split rotary embedding, x [B,T,H,D]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = positions[:, :, None, None] * inv
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], axis=-1)
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def naive_la_attention(attn, x, hc):
+    """The all-LA HydraHead block from DESIGN §2, token by token in float64 numpy."""
+    cfg = attn.cfg
+    B, T, _ = x.shape
+    H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
+    Hkv = cfg.num_kv_heads
+    q = (x @ _np(attn.q_proj.kernel) + _np(attn.q_proj.bias)).reshape(B, T, H, D)
+    k = (x @ _np(attn.k_proj.kernel) + _np(attn.k_proj.bias)).reshape(B, T, Hkv, D)
+    v = (x @ _np(attn.v_proj.kernel) + _np(attn.v_proj.bias)).reshape(B, T, Hkv, D)
+    q = _rms_norm(q, _np(attn.q_norm.weight), cfg.rms_norm_eps)
+    k = _rms_norm(k, _np(attn.k_norm.weight), cfg.rms_norm_eps)
+    gdn = attn.gdn
+    if hc.use_conv:
+        chans = np.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+        w = _np(gdn.conv_weight)
+        W = w.shape[0]
+        conv = np.zeros_like(chans)
+        for t in range(T):
+            for j in range(W):
+                s = t - (W - 1) + j
+                if s >= 0:
+                    conv[:, t] += w[j] * chans[:, s]
+        q = conv[..., :H * D].reshape(B, T, H, D)
+        k = conv[..., H * D:(H + Hkv) * D].reshape(B, T, Hkv, D)
+        v = conv[..., (H + Hkv) * D:].reshape(B, T, Hkv, D)
+    if hc.la_rope:
+        pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
+        q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    alpha = np.exp(-np.exp(_np(gdn.A_log)) * _softplus(x @ _np(gdn.a_proj.kernel) + _np(gdn.dt_bias)))  # [B,T,H]
+    beta = 1.0 / (1.0 + np.exp(-(x @ _np(gdn.b_proj.kernel))))
+    out = np.zeros((B, T, H, D))
+    for b in range(B):
+        for h in range(H):
+            S = np.zeros((D, D))
+            for t in range(T):
+                kt = k[b, t, h // G] / np.sqrt(np.sum(k[b, t, h // G] ** 2) + 1e-6)
+                qt = q[b, t, h] / np.sqrt(np.sum(q[b, t, h] ** 2) + 1e-6)
+                vt = v[b, t, h // G]
+                a, bt = alpha[b, t, h], beta[b, t, h]
+                S = (np.eye(D) - bt * np.outer(kt, kt)) @ (a * S) + bt * np.outer(kt, vt)
+                out[b, t, h] = S.T @ qt * D ** -0.5
+    if hc.use_output_gate:
+        z = (x @ _np(gdn.z_proj.kernel) + _np(gdn.z_proj.bias)).reshape(B, T, H, D)
+        out = _rms_norm(out, _np(gdn.o_norm_weight), cfg.rms_norm_eps) * _silu(z)
+    if hc.fusion != "none":
+        gamma = _np(attn.fusion.gamma)
+        out = _rms_norm(out, gamma[:, None] if gamma.ndim == 1 else gamma, cfg.rms_norm_eps)
+    return out.reshape(B, T, H * D) @ _np(attn.o_proj.kernel)
+
+
+@pytest.mark.parametrize("hc", [HybridConfig(), HybridConfig(use_conv=False, use_output_gate=False, la_rope=False,
+                                                             fusion="none", gdn_chunk_size=16)],
+                         ids=["conv-gate-rope-fusion", "bare"])
+def test_la_path_matches_naive_recurrence(hc):
+    cfg = CFG.replace(num_layers=1)
+    model = build_model(cfg, HeadMap.all_la(cfg), hc, nnx.Rngs(3))
+    perturb(model, nnx.Param, 5, scale=0.1)  # biases and q/k norm weights away from 0 and 1
+    perturb(model, new_param_filter, 6, scale=0.5)  # decays, β, gate, conv taps, γ: all random
+    attn = model.layers[0].self_attn
+    x = np.asarray(jax.random.normal(jax.random.key(2), (2, 70, cfg.hidden_size)), np.float32)  # 70 > chunk 64
+    positions = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32), (2, 70))
+
+    @jax.jit
+    def run(state, x):
+        return nnx.merge(nnx.graphdef(attn), state)(x, positions)[0]
+
+    got = np.asarray(run(nnx.state(attn), x))
+    want = naive_la_attention(attn, x.astype(np.float64), hc)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ fusion
+def naive_teacher_heads(teacher, ids):
+    """Per-head attention outputs (before o_proj) of a one-layer teacher, in float64 numpy."""
+    cfg = teacher.cfg
+    attn = teacher.layers[0].self_attn
+    B, T = ids.shape
+    H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
+    x = _rms_norm(_np(teacher.embed_tokens.embedding)[ids], _np(teacher.layers[0].input_layernorm.weight),
+                  cfg.rms_norm_eps)
+    q = (x @ _np(attn.q_proj.kernel) + _np(attn.q_proj.bias)).reshape(B, T, H, D)
+    k = (x @ _np(attn.k_proj.kernel) + _np(attn.k_proj.bias)).reshape(B, T, -1, D)
+    v = (x @ _np(attn.v_proj.kernel) + _np(attn.v_proj.bias)).reshape(B, T, -1, D)
+    q = _rms_norm(q, _np(attn.q_norm.weight), cfg.rms_norm_eps)
+    k = _rms_norm(k, _np(attn.k_norm.weight), cfg.rms_norm_eps)
+    pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
+    q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) * D ** -0.5
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return x, np.einsum("bhts,bshd->bthd", p, v)
+
+
+@pytest.mark.parametrize("fusion,granularity", [("none", "head"), ("la_only", "channel"), ("both", "head")])
+def test_fusion_modes_and_calibration(fusion, granularity):
+    cfg = CFG.replace(num_layers=1)
+    teacher = random_teacher(cfg, seed=4)
+    ids = ids_of((2, 24), seed=3)
+    hc = HybridConfig(fusion=fusion, fusion_granularity=granularity)
+    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[1]], method="test"), hc,
+                            calibration_ids=ids)
+    attn = student.layers[0].self_attn
+    x, teacher_heads = naive_teacher_heads(teacher, ids)
+    positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
+    heads = np.asarray(jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).hybrid_heads(x, positions, None, None)[0])(
+        nnx.state(attn), jnp.asarray(x, jnp.float32)), np.float64)
+    fa, la = [2, 3], [0, 1]  # FA group 1 = query heads 2, 3
+    rms = np.sqrt(np.mean(heads ** 2, axis=-1))  # [B,T,H] per-token RMS of every head
+    if fusion == "none":
+        assert attn.fusion is None
+        np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)
+        return
+    gamma = np.asarray(attn.fusion.gamma[...], np.float64)
+    # γ initialised to the teacher's measured output RMS over the batch, computed here by hand.
+    axes = (0, 1, 3) if granularity == "head" else (0, 1)
+    measured = np.sqrt(np.mean(teacher_heads ** 2, axis=axes))
+    touched = la if fusion == "la_only" else [0, 1, 2, 3]
+    assert attn.fusion.heads == tuple(touched)
+    np.testing.assert_allclose(gamma, measured[touched], rtol=1e-5)
+    if fusion == "la_only":
+        np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)  # FA heads untouched
+        # Channel γ: each LA head is RMS-normalised, then scaled channel-wise: heads / γ has RMS 1 per token.
+        np.testing.assert_allclose(np.sqrt(np.mean((heads[:, :, la] / gamma) ** 2, -1)), 1.0, rtol=1e-4)
+    else:
+        np.testing.assert_allclose(rms, np.broadcast_to(gamma, rms.shape), rtol=1e-4)
+        # FA heads: the teacher's output direction, rescaled to γ per token.
+        t_fa = teacher_heads[:, :, fa]
+        want = t_fa / np.sqrt(np.mean(t_fa ** 2, -1, keepdims=True) + cfg.rms_norm_eps) * gamma[fa][:, None]
+        np.testing.assert_allclose(heads[:, :, fa], want, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ decode cache
+VARIANTS = {
+    "teacher": None,
+    "hydrahead": [[0, 1], [], [1]],      # per-layer FA counts 2, 0, 1
+    "layerwise": "layerwise",            # FA layer 2 only
+    "all_la": [[], [], []],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_plus_decode_equals_full_forward(variant):
+    teacher = random_teacher()
+    spec = VARIANTS[variant]
+    if spec is None:
+        model = teacher
+    else:
+        hm = (HeadMap.layerwise(CFG, fa_layers=[2]) if spec == "layerwise"
+              else HeadMap.from_fa_groups(CFG, spec, method="test"))
+        model = build_student(teacher, hm, HybridConfig())
+        perturb(model, new_param_filter, 9, scale=0.5)  # non-trivial decays, gates, conv taps and scales
+    prompt = ids_of((2, 66), seed=5)                      # prefill crosses the chunk boundary at 64
+    new, logits = generate(model, prompt, 64, return_logits=True)  # decode crosses 128
+    full = forward(model, np.concatenate([prompt, new[:, :-1]], axis=1))
+    np.testing.assert_allclose(logits, full[:, 65:], atol=1e-4, rtol=0)
+    if spec not in (None, "layerwise"):
+        cache = model.init_cache(2, 130)
+        for attn, layer_cache in zip((layer.self_attn for layer in model.layers), cache["layers"]):
+            assert ("k" in layer_cache) == bool(attn.fa_groups)
+            if "k" in layer_cache:
+                assert layer_cache["k"].shape == (2, 130, len(attn.fa_groups), CFG.head_dim)
+            if attn.la_groups:
+                assert layer_cache["gdn_state"].shape == (2, 2 * len(attn.la_groups), 16, 16)
+                assert layer_cache["gdn_state"].dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------ numerics
+def test_bf16_params_and_compute_run_without_nan():
+    cfg = CFG.replace(num_layers=2, param_dtype="bfloat16", dtype="bfloat16")
+    teacher = random_teacher(cfg)
+    ids = ids_of((2, 70), seed=6)
+    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[0], []], method="test"), HybridConfig(),
+                            calibration_ids=ids)
+    assert student.layers[1].self_attn.gdn.A_log.dtype == jnp.bfloat16
+    assert all(np.isfinite(np.asarray(f.gamma[...], np.float32)).all() and (np.asarray(f.gamma[...]) > 0).all()
+               for f in (student.layers[1].self_attn.fusion, student.layers[0].self_attn.fusion))
+    _, logits = generate(student, ids, 30, return_logits=True)  # chunked prefill over 70 tokens, then decode
+    assert logits.dtype == np.float32 and np.isfinite(logits).all() and logits.std() > 0
+
+
