@@ -94,6 +94,8 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
     assert set(teacher_flat) == set(student_flat) - new_paths
     for path, var in teacher_flat.items():
         np.testing.assert_array_equal(np.asarray(student_flat[path][...]), np.asarray(var[...]), err_msg=str(path))
+        # copies, not shared buffers (donating the student must not delete the teacher's weights)
+        assert student_flat[path][...].unsafe_buffer_pointer() != var[...].unsafe_buffer_pointer(), path
     # ... and the new parameters are exactly the GDN and fusion ones of the hybrid layers (layers 1 and 2).
     assert new_paths and all(("gdn" in p or "fusion" in p) and p[1] in (1, 2) for p in new_paths)
     assert {p[-2] if p[-1] in ("kernel", "bias") else p[-1] for p in new_paths} == {

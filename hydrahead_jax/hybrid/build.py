@@ -1,6 +1,8 @@
 """Build HydraHead students: from a loaded teacher (weights copied exactly) or at random (restore targets)."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
@@ -34,7 +36,8 @@ def build_student(teacher: Transformer, head_map: HeadMap, hybrid_cfg: HybridCon
                   rngs: nnx.Rngs | None = None, calibration_ids=None) -> Transformer:
     """A HydraHead student of ``teacher``: every teacher parameter (embeddings, norms, MLP, q/k/v/o and their
     biases, q/k norms, lm_head) copied exactly, new GDN/fusion parameters at their initial values, and the fusion
-    scales set from the teacher's per-head output RMS on ``calibration_ids`` [B,T] when given."""
+    scales set from the teacher's per-head output RMS on ``calibration_ids`` [B,T] when given. The student owns
+    its arrays (copies), so it can be donated to a jitted step while the teacher stays usable."""
     student = build_model(teacher.cfg, head_map, hybrid_cfg, rngs)
     teacher_params = nnx.state(teacher, nnx.Param)
     student_params = dict(nnx.to_flat_state(nnx.state(student, nnx.Param)))
@@ -46,7 +49,8 @@ def build_student(teacher: Transformer, head_map: HeadMap, hybrid_cfg: HybridCon
         if target.shape != var.shape or target.dtype != var.dtype:
             raise ValueError(f"teacher parameter {'/'.join(map(str, path))} is {var.shape} {var.dtype}, the "
                              f"student's {target.shape} {target.dtype}.")
-    nnx.update(student, teacher_params)
+    # Copies, not shared buffers: donating the student's state to a train step must not delete the teacher's.
+    nnx.update(student, jax.tree.map(jnp.copy, teacher_params))
     if calibration_ids is not None:
         calibrate_fusion(student, teacher, calibration_ids)
     return student
