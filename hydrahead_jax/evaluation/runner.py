@@ -70,6 +70,10 @@ def is_allocation_error(err: BaseException) -> bool:
         "out of memory" in text
 
 
+# (graphdef, parameter shapes, executable key) → compiled executable, shared by every Runner of this process.
+_EXECUTABLES: dict = {}
+
+
 # Jitted bodies; the graphdef is static, so one trace per (model structure, shapes).
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -126,6 +130,8 @@ class Runner:
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.param_bytes = _tree_bytes(self.state)
+        # models of one structure (a teacher and its same-shaped copies) share compiled executables
+        self._signature = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(self.state))
         self.memory_limit = memory_limit
         self.logits_chunk = logits_chunk
         self._compiled: dict = {}
@@ -157,8 +163,11 @@ class Runner:
         if key in self._refused:
             raise OutOfMemory(self._refused[key])
         if key not in self._compiled:
+            shared = (self.graphdef, self._signature, key)
             try:
-                compiled = fn.lower(self.graphdef, *args).compile()
+                if shared not in _EXECUTABLES:
+                    _EXECUTABLES[shared] = fn.lower(self.graphdef, *args).compile()
+                compiled = _EXECUTABLES[shared]
                 need = self._check(f"{key[0]} {key[1:]}", compiled)
             except OutOfMemory as err:
                 self._refused[key] = str(err)

@@ -1,0 +1,329 @@
+"""eval.py and hydrahead_jax.evaluation: scoring, perplexity/agreement against numpy, greedy decoding against a
+cache-free reference, errors before anything runs, the skip-with-reason path, and the whole suite end to end on
+tiny random models (a plain decoder saved as a Hugging Face folder, and a HydraHead hybrid)."""
+import functools
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.data import synthetic
+from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
+from hydrahead_jax.evaluation import (EvalModel, Settings, Suite, SuiteError, exact_match, normalize_answer,
+                                      parse_lengths, parse_suite, write_outputs)
+from hydrahead_jax.evaluation import cli, tasks
+from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
+from hydrahead_jax.models import Transformer
+from hydrahead_jax.models.transformer import hf_weight_map
+
+SUBJECTS = ["The river", "An old farmer", "The small village", "A quiet teacher", "The northern forest",
+            "The city council", "A young painter", "The mountain road", "The harbor master", "A travelling merchant"]
+VERBS = ["watched", "crossed", "described", "remembered", "followed", "visited", "measured", "admired"]
+OBJECTS = ["the morning fog over the fields", "a long line of carts", "the stone bridge near the mill",
+           "the autumn market in the square", "the lights of distant ships", "an orchard of apple trees",
+           "the bells of the chapel", "a map of the valley"]
+
+
+def prose(seed: int, sentences: int) -> str:
+    """Deterministic English-like prose, one paragraph per 6 sentences (the haystack splits sentences)."""
+    rng = np.random.default_rng(seed)
+    out = [f"{SUBJECTS[rng.integers(10)]} {VERBS[rng.integers(8)]} {OBJECTS[rng.integers(8)]}." for _ in range(sentences)]
+    return "\n".join(" ".join(out[i:i + 6]) for i in range(0, sentences, 6))
+
+
+def tiny_cfg(vocab: int, **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, **kw)
+
+
+def random_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A tiny decoder with weights large enough that its logits are far from uniform."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if var.ndim == 1:
+            var.set_value((1.0 + 0.1 * rng.standard_normal(var.shape)).astype(np.float32))
+        else:
+            var.set_value((rng.standard_normal(var.shape) / np.sqrt(var.shape[0])).astype(np.float32))
+    return model
+
+
+def perturbed(model: Transformer, scale: float, seed: int) -> Transformer:
+    """A copy of ``model`` with every weight moved by relative noise ``scale``: a stand-in for a distilled student
+    that agrees with its teacher on some tokens and not others."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, nnx.clone(state))
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
+        var.set_value((var[...] * (1 + scale * rng.standard_normal(var.shape))).astype(np.float32))
+    return copy
+
+
+def save_hf_folder(model: Transformer, tokenizer, folder: Path) -> Path:
+    """model → config.json + model.safetensors (HF names, torch layout) + tokenizer.json, readable by load_pretrained."""
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    folder.mkdir(parents=True)
+    tensors = {name: np.ascontiguousarray(np.asarray(var[...]).T if transposed else np.asarray(var[...]))
+               for name, (var, transposed) in hf_weight_map(model).items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": False}))
+    tokenizer._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Texts, a BPE tokenizer trained on them and the task templates, two tiny decoders saved as HF folders."""
+    root = tmp_path_factory.mktemp("eval")
+    texts = {"haystack": prose(0, 300), "a": prose(1, 240), "b": prose(2, 240).upper()}
+    for name, text in texts.items():
+        (root / f"{name}.txt").write_text(text)
+    templates = [synthetic.NIAH_PREFIX.format(noun_pl="numbers"), synthetic.PASSKEY_PREFIX, synthetic.KV_PREFIX,
+                 "What is the special magic number for mentioned in the provided text? Answer: The pass key is"]
+    tok = train_bpe_tokenizer(list(texts.values()) + templates * 20, vocab_size=400, name="eval-test-bpe")
+    cfg = tiny_cfg(tok.vocab_size)
+    teacher = random_model(cfg, 1)
+    student = perturbed(teacher, 0.1, 2)
+    return {"root": root, "tok": tok, "cfg": cfg, "teacher": teacher, "student": student,
+            # the same folder name gives both the same config name, so they share compiled executables
+            "teacher_dir": save_hf_folder(teacher, tok, root / "teacher" / "tiny"),
+            "student_dir": save_hf_folder(student, tok, root / "student" / "tiny")}
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+@pytest.mark.parametrize("prediction, answer, expected", [
+    ("7421", "7421", True),
+    (" 7421. Remember it.", " 7421", True),           # leading space, trailing text and punctuation
+    ("\n  7421\nWhat else", "7421", True),              # first line after leading whitespace
+    ("74210", "7421", False),                          # digit strings, not prefixes
+    ("007421", "7421", False),
+    ("The pass key is 7421", "7421", True),             # numbers: the first number of the first line
+    ("7422", "7421", False),
+    ("\n\n", "7421", False),
+    ("1234567, 7654321.", " 1234567 7654321", True),    # lists of numbers
+    ("1234567 7654322", " 1234567 7654321", False),
+    ("Apple.", "apple", True),
+    ("  APPLE   pie!! and more", "apple pie", True),
+    ("apples", "apple", False),
+    ("The apple", "apple", False),                     # words: the answer must come first
+    ("pie apple", "apple pie", False),
+    ('3f2a-bc01"}', "3f2a-bc01", True),                 # uuid-like values keep inner hyphens
+    ('3f2a-bc02"', "3f2a-bc01", False),
+    ("ABCDE, FGHIJ, KLMNO.", " ABCDE FGHIJ KLMNO", True),
+])
+def test_exact_match_hand_made_cases(prediction, answer, expected):
+    assert exact_match(prediction, answer) is expected
+
+
+def test_normalize_answer_and_empty_reference():
+    assert normalize_answer("  Hello,   World!! \n") == "hello world"
+    assert normalize_answer("a.b-c") == "a.b-c"
+    with pytest.raises(ValueError, match="empty after normalisation"):
+        exact_match("7421", " ... ")
+
+
+# ------------------------------------------------------------------------------------------------ parsing and errors
+
+def test_parse_suite_and_lengths():
+    assert parse_suite("niah, ppl,niah") == ("niah", "ppl")
+    assert parse_suite("demo") == ("niah", "passkey", "ppl", "agreement", "efficiency")
+    assert parse_lengths("1k,2k,512,32k") == (1024, 2048, 512, 32768)
+    with pytest.raises(SuiteError, match="unknown suite 'bogus'.*niah"):
+        parse_suite("niah,bogus")
+    with pytest.raises(SuiteError, match="cannot read length 'abc'"):
+        parse_lengths("1k,abc")
+    assert cli.parse_bytes("10MB") == 10 * 2**20 and cli.parse_bytes("2GiB") == 2 * 2**30
+
+
+def test_cli_errors_come_before_any_model_loads(world, tmp_path, monkeypatch, capsys):
+    def no_loading(_):
+        raise AssertionError("models were loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "load_models", no_loading)
+    rc = cli.main(["--model", str(world["teacher_dir"]), "--suite", "niah,bogus", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "unknown suite 'bogus'" in capsys.readouterr().err
+    rc = cli.main(["--model", str(world["teacher_dir"]), "--depths", "0,2", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "every depth must lie in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path, capsys):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("not weights")
+    rc = cli.main(["--model", str(junk), "--suite", "ppl", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not a" in err and str(junk) in err
+    rc = cli.main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def full_logits(model: Transformer, ids: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] of one plain causal forward pass (no cache), as float64."""
+    return np.asarray(_forward(*nnx.split(model), jnp.asarray(ids)), np.float64)
+
+
+def _np_log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_perplexity_and_agreement_match_numpy_from_full_logits(world):
+    teacher, student = world["teacher"], world["student"]
+    ids = np.random.default_rng(0).integers(0, world["cfg"].vocab_size, 45).astype(np.int32)
+    # chunk 16 over 44 / 45 positions: ragged last chunks on both paths
+    s_run, t_run = Runner(student, logits_chunk=16), Runner(teacher, logits_chunk=16)
+    out = tasks.text_window(s_run, ids, want_nll=True, teacher=t_run, teacher_hidden=t_run.hidden_states(ids[None]))
+
+    lp_s = _np_log_softmax(full_logits(student, ids[None])[0])
+    lp_t = _np_log_softmax(full_logits(teacher, ids[None])[0])
+    ref_nll = -lp_s[np.arange(44), ids[1:]]
+    np.testing.assert_allclose(out["nll"], ref_nll, rtol=1e-5, atol=1e-5)
+    ref_kl = (np.exp(lp_t) * (lp_t - lp_s)).sum(-1)
+    np.testing.assert_allclose(out["kl"], ref_kl, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(out["top1"], lp_t.argmax(-1) == lp_s.argmax(-1))
+    assert ref_kl.mean() > 0.1 and 0 < out["top1"].mean() < 1  # two different models: a non-trivial case
+    assert math.isclose(math.exp(out["nll"].mean()), math.exp(ref_nll.mean()), rel_tol=1e-6)
+
+
+def test_greedy_generation_through_the_cache_matches_full_recomputation(world):
+    model = world["teacher"]
+    prompt = np.random.default_rng(1).integers(0, world["cfg"].vocab_size, (1, 23)).astype(np.int32)
+    gen = Runner(model).generate(prompt, 6)
+    # reference without a cache: each greedy token is the argmax of a full causal pass over the sequence so far;
+    # causality lets one pass over prompt + generated tokens check every step at once
+    seq = np.concatenate([prompt, gen.tokens], axis=1)
+    np.testing.assert_array_equal(gen.tokens[0], full_logits(model, seq)[0, 22:28].argmax(-1))
+    assert gen.prefill_bytes > 0 and len(gen.decode_s) == 5
+
+
+def test_cache_sizes_of_the_teacher_by_hand(world):
+    cfg = world["cfg"]
+    sizes = tasks.cache_sizes(world["teacher"], 300)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, float32
+    assert sizes == {"kv_bytes_per_token": per_token, "state_bytes": 0, "total_bytes": 300 * per_token}
+
+
+def test_memory_limit_refuses_before_running(world):
+    runner = Runner(world["teacher"], memory_limit=1 << 20)
+    runner.check_fits(1, 128, 256)  # small: fits in 1 MiB beyond the parameters
+    with pytest.raises(OutOfMemory, match=r"GiB beyond the parameters .*--memory-limit"):
+        runner.check_fits(1, 8192, 8448)
+    with pytest.raises(OutOfMemory):  # remembered: fails again without compiling
+        runner.prefill_executable(1, 8192, 8448)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+
+
+def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tmp_path):
+    root, out = world["root"], tmp_path / "eval"
+    rc = cli.main(["--model", f"teacher:{world['teacher_dir']}", "--model", f"student={world['student_dir']}",
+                   "--suite", "niah,passkey,kv,ppl,agreement,efficiency", "--lengths", "256,16k",
+                   "--ppl-lengths", "256", "--depths", "0,1", "--samples", "1", "--decode-steps", "3",
+                   "--memory-limit", "10MB", "--haystack", str(root / "haystack.txt"),
+                   "--text", f"a={root / 'a.txt'}", "--text", f"b={root / 'b.txt'}", "--out", str(out),
+                   "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    names = ["teacher:tiny", "student"]
+    assert [m["name"] for m in res["models"]] == names and res["teacher"] == "teacher:tiny"
+    recs = res["results"]
+
+    def find(**kw):
+        return [r for r in recs if all(r.get(k) == v for k, v in kw.items())]
+
+    for name in names:
+        for depth in (0.0, 1.0):
+            (r,) = find(model=name, task="niah", length=256, depth=depth)
+            assert r["n"] == 1 and r["seeds"] == [0] and 0.0 <= r["value"] <= 1.0
+        for task in ("passkey", "kv"):
+            assert len(find(model=name, task=task, length=256)) == 1
+        for source in ("a", "b"):
+            (r,) = find(model=name, task="ppl", source=source, length=256)
+            assert r["n"] == 2 and r["tokens"] == 2 * 255 and r["value"] > 1
+        (r,) = find(model=name, task="efficiency", metric="prefill_s", length=256)
+        assert r["value"] > 0
+        # 16K does not fit in the 10 MB limit: skipped with the reason, for every long-context task
+        reasons = {(s["task"], s["length"]): s["reason"] for s in res["skipped"] if s["model"] == name}
+        for task in ("niah", "passkey", "kv", "efficiency"):
+            assert "--memory-limit" in reasons[(task, 16384)] and not find(model=name, task=task, length=16384)
+    # agreement only for the student, against the teacher
+    assert not find(model="teacher:tiny", task="agreement")
+    (top1,) = find(model="student", task="agreement", metric="top1", source="a", length=256)
+    (kl,) = find(model="student", task="agreement", metric="kl", source="a", length=256)
+    assert 0 < top1["value"] < 1 and kl["value"] > 0 and top1["positions"] == 512
+
+    # perplexity against numpy over the same windows (the first two 256-token windows of the text)
+    ids = np.asarray(world["tok"].encode((root / "a.txt").read_text()), np.int32)[:512].reshape(2, 256)
+    lp = _np_log_softmax(full_logits(world["teacher"], ids))
+    nll = -np.take_along_axis(lp[:, :-1], ids[:, 1:, None], axis=-1)
+    (r,) = find(model="teacher:tiny", task="ppl", source="a", length=256)
+    assert math.isclose(r["value"], math.exp(nll.mean()), rel_tol=1e-5)
+
+    # same prompts for both models; the stored flag is the documented exact match
+    by_model = {n: {(s["task"], s["nominal_length"], s["target_depth"]): s for s in res["samples"] if s["model"] == n}
+                for n in names}
+    assert by_model[names[0]].keys() == by_model[names[1]].keys() and len(by_model[names[0]]) == 4
+    for key, s in by_model[names[0]].items():
+        assert s["answer"] == by_model[names[1]][key]["answer"]
+        assert s["correct"] == exact_match(s["prediction"], s["answer"])
+
+    report = (out / "report.md").read_text()
+    assert "| teacher:tiny | student |" in report and "## Skipped" in report and "--memory-limit" in report
+    for png in ("niah_heatmap_teacher_tiny.png", "niah_heatmap_student.png", "retrieval_vs_length.png",
+                "perplexity_vs_length.png", "efficiency_vs_length.png"):
+        assert _is_png(out / png), png
+
+
+def test_suite_on_a_hybrid_student_reports_constant_state_and_lengths_beyond_training(world, tmp_path):
+    from hydrahead_jax.hybrid import HeadMap, build_student
+
+    cfg = world["cfg"]
+    head_map = HeadMap.from_fa_groups(cfg, [[0], []], method="test")  # layer 0: one FA group, layer 1: all GDN
+    hybrid = EvalModel("hybrid", build_student(world["teacher"], head_map), world["tok"], "hydrahead",
+                       train_length=256, info={"params": 1, "fa_groups": 1, "kv_groups": 4})
+    settings = Settings(suites=("passkey", "efficiency"), retrieval_lengths=(512,), ppl_lengths=(256,),
+                        efficiency_lengths=(256, 512), samples=1, decode_steps=2,
+                        haystack=str(world["root"] / "haystack.txt"))
+    suite = Suite([hybrid], settings).run(progress=False)
+    res = write_outputs(suite, tmp_path)
+    eff = {(r["metric"], r["length"]): r for r in res["results"] if r["task"] == "efficiency"}
+    # by hand: KV only for layer 0's one FA group (k and v, 16 dims, f32); GDN state per LA query head 16x16 f32
+    # plus the 3-tap conv state over q, k (per LA head) and v channels
+    kv = 2 * 1 * 16 * 4
+    state = (2 * 16 * 16 * 4 + 3 * (2 + 2 * 1) * 16 * 4) + (4 * 16 * 16 * 4 + 3 * (4 + 2 * 2) * 16 * 4)
+    for length in (256, 512):
+        assert eff[("kv_bytes_per_token", length)]["value"] == kv
+        assert eff[("state_bytes", length)]["value"] == state
+        assert eff[("total_bytes", length)]["value"] == kv * length + state
+    assert eff[("prefill_s", 512)]["beyond_train_length"] and not eff[("prefill_s", 256)]["beyond_train_length"]
+    (passkey,) = [r for r in res["results"] if r["task"] == "passkey"]
+    assert passkey["beyond_train_length"] and passkey["n"] == 1
+    assert "| hybrid | hydrahead |" in (tmp_path / "report.md").read_text()
