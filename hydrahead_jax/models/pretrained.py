@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 from flax import nnx
 
 from hydrahead_jax.models.loaders import read_checkpoint, resolve_source
@@ -21,6 +22,11 @@ def load_pretrained(source: str | os.PathLike, dtype: str = "float32",
     path = resolve_source(source)
     cfg, tensors = read_checkpoint(path)
     cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
-    model = Transformer(cfg, rngs=nnx.Rngs(0), attention_impl=attention_impl)
+    # Build the module abstractly (shapes only): a random init would be overwritten anyway and costs seconds.
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), attention_impl=attention_impl))
     load_hf_weights(model, tensors, source=str(path))
+    unfilled = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
+                if not isinstance(v.get_value(), jax.Array)]
+    if unfilled:  # a model state the checkpoint does not cover would otherwise stay a shape placeholder
+        raise RuntimeError(f"{path}: model state {unfilled[:5]} was not filled by the checkpoint.")
     return model, load_tokenizer(path)
