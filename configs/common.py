@@ -1,6 +1,8 @@
 """Shared skeleton of every recipe: one place that lists every config key (unknown keys are refused)."""
 from ml_collections import ConfigDict
 
+from hydrahead_jax.selection import SelectionConfig
+
 
 def stage(*, steps=0, tokens=0, seq_len=256, batch_size=8, lr=1e-3, warmup_steps=10, end_lr_ratio=0.1,
           weight_decay=0.0, clip_norm=1.0, train="all", loss_chunk=512, checkpoint_every=50, keep_checkpoints=2,
@@ -23,8 +25,9 @@ def base() -> ConfigDict:
     c.teacher = ConfigDict(dict(source="random", dtype="float32", seed=0, model=ConfigDict()))
     c.data = ConfigDict(dict(source="enwiki", validation_fraction=0.02, txt_split="file", text_field="text",
                              num_threads=2, prefetch=8, copy_repeats=4))
-    c.selection = ConfigDict(dict(method="layerwise", ratio="7:1", allocation="global", head_map_path="",
-                                  num_prompts=8, context_len=512, seed=0))
+    # Stage 0: every SelectionConfig field (hydrahead_jax.selection), plus "given" + head_map_path for a map
+    # file and "all_fa" / "all_la"; preset "paper" = the longer probes.
+    c.selection = ConfigDict(dict(SelectionConfig().to_dict(), preset="demo", head_map_path=""))
     c.hybrid = ConfigDict(dict(use_conv=True, conv_size=4, use_output_gate=True, la_rope=True, fusion="both",
                                fusion_granularity="head", gdn_chunk_size=64, gdn_implementation="auto",
                                attention_implementation="auto"))

@@ -4,6 +4,7 @@ from hydrahead_jax.data.corpus import CorpusError
 from hydrahead_jax.hybrid.head_map import HeadMapError
 from hydrahead_jax.training.checkpoint import ConfigMismatchError
 from hydrahead_jax.training.metrics import NonFiniteLossError
+from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.training.sharding import ShardingError
 
 
@@ -12,4 +13,4 @@ class StageOrderError(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, CorpusError, HeadMapError, ConfigMismatchError, NonFiniteLossError, ShardingError,
-               StageOrderError)
+               SelectionError, StageOrderError)

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model, build_student, new_param_filter
-from hydrahead_jax.hybrid.head_map import fa_budget
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config, config_fingerprint
 from hydrahead_jax.training.data import make_stage_iterator, prepare_store
@@ -54,22 +52,15 @@ def load_teacher(teacher_cfg):
     return model, tokenizer, model.cfg
 
 
-def _random_head_map(cfg: ModelConfig, ratio: str, allocation: str, seed: int) -> HeadMap:
-    """Random-heads baseline: the same FA budget as the ratio, groups drawn uniformly (seeded)."""
-    rng = np.random.default_rng(seed)
-    n = fa_budget(cfg, ratio, allocation)
-    if allocation == "per_layer":
-        groups = [sorted(rng.choice(cfg.num_kv_heads, n, replace=False).tolist()) for _ in range(cfg.num_layers)]
-    else:
-        flat = rng.choice(cfg.num_layers * cfg.num_kv_heads, n, replace=False)
-        groups = [sorted(int(i % cfg.num_kv_heads) for i in flat if i // cfg.num_kv_heads == layer)
-                  for layer in range(cfg.num_layers)]
-    return HeadMap.from_fa_groups(cfg, groups, method="random", target_ratio=ratio, allocation=allocation,
-                                  probe={"seed": seed})
+LOCAL_METHODS = ("given", "all_fa", "all_la")  # everything else is hydrahead_jax.selection.run_selection's
 
 
-def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path, seed: int) -> HeadMap:
-    """Stage 0: the head map (written to workdir/head_map.json; reused when already there)."""
+def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
+    """Stage 0: the head map (written to workdir/head_map.json; reused when already there).
+
+    ``given`` loads ``selection.head_map_path``; ``all_fa`` / ``all_la`` are the trivial maps; the probe methods
+    (retrieval, ablation, combined) and the baselines (random, layerwise) run ``run_selection`` on the teacher.
+    """
     out = workdir / "head_map.json"
     if out.exists():
         return HeadMap.load(out, cfg)
@@ -78,27 +69,19 @@ def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path, s
         if not sel_cfg.head_map_path:
             raise HeadMapError("selection.method='given' needs selection.head_map_path (a head map JSON file).")
         head_map = HeadMap.load(sel_cfg.head_map_path, cfg)
-    elif method == "layerwise":
-        head_map = HeadMap.layerwise(cfg, sel_cfg.ratio)
     elif method == "all_fa":
         head_map = HeadMap.all_fa(cfg)
     elif method == "all_la":
         head_map = HeadMap.all_la(cfg)
-    elif method == "random":
-        head_map = _random_head_map(cfg, sel_cfg.ratio, sel_cfg.allocation, seed)
-    elif method in ("retrieval", "ablation"):
-        try:
-            from hydrahead_jax.selection import run_selection
-        except ImportError as e:
-            raise HeadMapError(f"selection.method={method!r} needs hydrahead_jax.selection.run_selection, which is "
-                               f"not available ({e}); use method 'given', 'layerwise' or 'random'.") from None
-        if tokenizer is None:
+    else:
+        from hydrahead_jax.selection import METHODS, run_selection
+        if method not in METHODS:
+            raise HeadMapError(f"selection.method={method!r}; choose one of {LOCAL_METHODS + tuple(METHODS)}.")
+        if tokenizer is None and method in ("retrieval", "ablation", "combined"):
             raise HeadMapError(f"selection.method={method!r} probes the teacher with text prompts and needs a "
                                "tokenizer; a random teacher has none — use 'layerwise', 'random' or 'given'.")
-        head_map = run_selection(teacher, tokenizer, sel_cfg, workdir / "selection")
-    else:
-        raise HeadMapError(f"selection.method={method!r}; choose one of 'given', 'retrieval', 'ablation', "
-                           "'layerwise', 'random', 'all_fa', 'all_la'.")
+        settings = {k: v for k, v in sel_cfg.to_dict().items() if k != "head_map_path"}
+        head_map = run_selection(teacher, tokenizer, settings, workdir / "selection")
     head_map.validate(cfg)
     head_map.save(out)
     print(f"[select] head map ({head_map.method}): {head_map.num_fa_groups()} FA groups of "
@@ -124,7 +107,7 @@ def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, 
     # Validate a given head map against the model before any work (clear error, nothing trained).
     if config.selection.method == "given" and config.selection.head_map_path:
         HeadMap.load(config.selection.head_map_path, cfg)
-    head_map = select_heads(config.selection, teacher, tokenizer, cfg, workdir, int(config.seed))
+    head_map = select_heads(config.selection, teacher, tokenizer, cfg, workdir)
     if stages == ["select"]:
         return None
     store = None if config.data.source == "copy" else prepare_store(config.data, tokenizer)
