@@ -92,6 +92,7 @@ def _write(tmp_path, **changes):
     (dict(fa_groups=[[0], [1], []]), r"fa_groups has 3 layers but the model has 4"),
     (dict(fa_groups=[[0], [2], [], []]), r"fa_groups\[1\] contains 2, outside the model's KV groups 0..1"),
     (dict(fa_groups=[[0, 0], [1], [], []]), r"fa_groups\[0\].*twice"),
+    (dict(fa_groups=[[0.0], [1], [], []]), r"fa_groups\[0\] contains 0.0; KV group indices are integers"),
     (dict(fa_groups=[[1, 0], [], [], []]), r"not sorted"),
     (dict(format_version=2), r"format_version 2 is not supported"),
     (dict(granularity="head"), r"granularity"),

@@ -205,7 +205,9 @@ class HeadMap:
             if not isinstance(layer, list):
                 fail(f"fa_groups[{i}] must be a list of KV group indices, got {layer!r}.")
             for g in layer:
-                if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < G:
+                if isinstance(g, bool) or not isinstance(g, int):
+                    fail(f"fa_groups[{i}] contains {g!r}; KV group indices are integers 0..{G - 1}.")
+                if not 0 <= g < G:
                     fail(f"fa_groups[{i}] contains {g!r}, outside the model's KV groups 0..{G - 1}.")
             if len(set(layer)) != len(layer):
                 fail(f"fa_groups[{i}]={layer} lists a group twice; each KV group is FA at most once.")
