@@ -33,7 +33,7 @@ setup(
     install_requires=CORE,
     extras_require={
         # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0 per DESIGN.md §7).
-        "dev": ["pytest", "pytest-xdist", "hypothesis", "torch==2.13.0", "transformers>=5.0"],
+        "dev": ["pytest", "pytest-xdist", "hypothesis", "torch==2.13.0", "transformers>=5.0", "accelerate"],
         "gpu": ["jax[cuda12]>=0.11.2"],
         "tpu": ["jax[tpu]>=0.11.2"],
     },
