@@ -191,9 +191,9 @@ def naive_la_attention(attn, x, hc):
     return out.reshape(B, T, H * D) @ _np(attn.o_proj.kernel)
 
 
-@pytest.mark.parametrize("hc", [HybridConfig(), HybridConfig(use_conv=False, use_output_gate=False, la_rope=False,
+@pytest.mark.parametrize("hc", [HybridConfig(), HybridConfig(use_conv=False, use_output_gate=False, la_rope=True,
                                                              fusion="none", gdn_chunk_size=16)],
-                         ids=["conv-gate-rope-fusion", "bare"])
+                         ids=["conv-gate-fusion", "bare-rope"])
 def test_la_path_matches_naive_recurrence(hc):
     cfg = CFG.replace(num_layers=1)
     model = build_model(cfg, HeadMap.all_la(cfg), hc, nnx.Rngs(3))
@@ -278,7 +278,7 @@ def test_fusion_modes_and_calibration(fusion, granularity):
 VARIANTS = {
     "teacher": None,
     "hydrahead": [[0, 1], [], [1]],      # per-layer FA counts 2, 0, 1
-    "layerwise": "layerwise",            # FA layer 2 only
+    "layerwise": "layerwise",            # FA layer 2 only; LA layers with RoPE, la_only channel fusion
     "all_la": [[], [], []],
 }
 
@@ -292,7 +292,9 @@ def test_prefill_plus_decode_equals_full_forward(variant):
     else:
         hm = (HeadMap.layerwise(CFG, fa_layers=[2]) if spec == "layerwise"
               else HeadMap.from_fa_groups(CFG, spec, method="test"))
-        model = build_student(teacher, hm, HybridConfig())
+        hc = (HybridConfig(la_rope=True, fusion="la_only", fusion_granularity="channel") if spec == "layerwise"
+              else HybridConfig())
+        model = build_student(teacher, hm, hc)
         perturb(model, new_param_filter, 9, scale=0.5)  # non-trivial decays, gates, conv taps and scales
     prompt = ids_of((2, 66), seed=5)                      # prefill crosses the chunk boundary at 64
     new, logits = generate(model, prompt, 64, return_logits=True)  # decode crosses 128
