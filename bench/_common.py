@@ -66,15 +66,21 @@ def block(x):
     return jax.block_until_ready(x)
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, *, warmup: bool = True
-                     ) -> dict[str, float]:
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, *, warmup: bool = True,
+                     budget_s: float | None = None) -> dict[str, float]:
     """Median wall seconds per call of each zero-argument function, rounds interleaved (see module doc).
 
     Each function must return something ``jax.block_until_ready`` accepts (its result is waited for).
+    budget_s: with a warm-up, fewer rounds (at least 1) when ``repeats`` rounds would take longer than this.
     """
     if warmup:
+        first = 0.0
         for fn in fns.values():
+            t0 = time.perf_counter()
             block(fn())
+            first += time.perf_counter() - t0
+        if budget_s is not None and first > 0:
+            repeats = min(repeats, max(1, int(budget_s / first)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(max(1, repeats)):
         for name, fn in fns.items():

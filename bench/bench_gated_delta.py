@@ -98,7 +98,10 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="fewer repeats when they would take longer")
+    ap.add_argument("--bwd-max-seq", type=int, default=4096,
+                    help="largest T of the fwd+bwd pass (torch autograd of the chunked rule is slow)")
     ap.add_argument("--quick", action="store_true", help="smoke settings: T 256, H 2, dim 32, 1 repeat, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
@@ -119,8 +122,10 @@ def main(argv=None):
         jf, jg = jax_fns(inputs, args.chunk)
         tf, tg = torch_fns(inputs, args.chunk)
         for mode in args.modes:
+            if mode == "fwdbwd" and T > args.bwd_max_seq:
+                continue
             fns = {"xla": jf, "torch": tf} if mode == "fwd" else {"xla": jg, "torch": tg}
-            t = C.time_interleaved(fns, args.repeats)
+            t = C.time_interleaved(fns, args.repeats, budget_s=args.budget_s)
             r = t["torch"] / t["xla"]
             ratios[(mode, T)] = r
             tok = B * T
@@ -139,7 +144,7 @@ def main(argv=None):
     body = (table + f"\n\nOutputs checked first: max |Δo| = {d_o:.2e}, max |ΔS| = {d_s:.2e}.\n\n"
             + "\n".join(f"- {g}" for g in goal_lines) + "\n")
     settings = (f"B={B}, H={H}, K=V={D}, chunk {args.chunk}, fp32, q/k L2-norm in the rule, repeats {args.repeats} "
-                f"(median, interleaved); torch.set_num_threads({threads}) = JAX's CPU thread count")
+                f"(median, interleaved; fewer when over {args.budget_s:g} s), fwd+bwd up to T={args.bwd_max_seq}; torch.set_num_threads({threads}) = JAX's CPU thread count")
     C.append_results("Gated delta rule: XLA chunked vs transformers torch chunked (bench_gated_delta.py)", body,
                      settings=settings, record=not args.no_record)
     for g in goal_lines:
