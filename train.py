@@ -68,7 +68,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are given as --flag=value.")
     config = _CONFIG.value
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; progress comes from the tqdm bars
+    import os
+
     import jax
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes, reuses
+        # compiled steps instead of paying minutes of XLA compilation again.
+        cache = os.path.join(os.environ.get("HYDRAHEAD_CACHE", os.path.expanduser("~/.cache/hydrahead_jax")), "xla")
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if config.distributed:
         jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh
     from hydrahead_jax.training.errors import USER_ERRORS

@@ -28,7 +28,7 @@ def base() -> ConfigDict:
     # Stage 0: every SelectionConfig field (hydrahead_jax.selection), plus "given" + head_map_path for a map
     # file and "all_fa" / "all_la"; preset "paper" = the longer probes.
     c.selection = ConfigDict(dict(SelectionConfig().to_dict(), preset="demo", head_map_path=""))
-    c.hybrid = ConfigDict(dict(use_conv=True, conv_size=4, use_output_gate=True, la_rope=True, fusion="both",
+    c.hybrid = ConfigDict(dict(use_conv=True, conv_size=4, use_output_gate=True, la_rope=False, fusion="both",
                                fusion_granularity="head", gdn_chunk_size=64, gdn_implementation="auto",
                                attention_implementation="auto"))
     c.hybrid_calibration_rows = 4

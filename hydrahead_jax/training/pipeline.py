@@ -127,9 +127,9 @@ def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, 
     def initial_stage1():
         calib = iterator_factory("stage1", int(config.seed) + 7919, int(config.hybrid_calibration_rows))()
         ids = jax.numpy.asarray(next(calib)["input_ids"])
+        # build_student copies the teacher's arrays, so the student's state can be donated to the jitted step.
         student = build_student(teacher, head_map, hybrid_cfg, rngs=nnx.Rngs(int(config.seed)), calibration_ids=ids)
-        # build_student shares the teacher's arrays; the student gets its own (its state is donated to the step).
-        return jax.tree.map(lambda x: x.copy(), nnx.as_pure(nnx.state(student)))
+        return nnx.as_pure(nnx.state(student))
 
     previous = None
     for index, kind in enumerate(("align", "distil", "long")):
