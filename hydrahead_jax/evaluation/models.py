@@ -4,8 +4,8 @@ Spec forms (each may be prefixed with ``LABEL=`` to name the model in tables and
 
 * ``teacher:<source>`` — a plain pretrained decoder: ``smollm2-135m``, a ``.gguf`` file or a Hugging Face
   folder (``models.load_pretrained``). It is the reference for teacher agreement.
-* ``<dir>`` — a model exported by training (``hydrahead_jax.load_hydrahead``, e.g. ``runs/x/final``), or a
-  Hugging Face folder / ``.gguf`` file of a plain decoder.
+* ``<dir>`` — a model exported by training (``hydrahead_jax.load_hydrahead``, e.g. ``runs/x/final``; its
+  train_config.json gives the training length), or a Hugging Face folder / ``.gguf`` file of a plain decoder.
 """
 from __future__ import annotations
 
@@ -70,18 +70,22 @@ def _looks_like_pretrained(path: Path) -> bool:
 
 
 def _train_length(path: Path) -> int | None:
-    """The longest training sequence an export records (metadata JSON next to the weights), if any."""
-    for name in ("export.json", "metadata.json", "hydrahead.json"):
-        f = path / name
-        if f.is_file():
-            try:
-                meta = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            for key in ("train_length", "max_train_length", "max_seq_len"):
-                if isinstance(meta.get(key), int):
-                    return meta[key]
-    return None
+    """The longest sequence any training stage used, from the export's train_config.json (None if unknown)."""
+    try:
+        config = json.loads((path / "train_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    lengths = [v["seq_len"] for k, v in config.items()
+               if k.startswith("stage") and isinstance(v, dict) and isinstance(v.get("seq_len"), int)]
+    return max(lengths) if lengths else None
+
+
+def _head_map_summary(path: Path) -> dict:
+    try:
+        data = json.loads((path / "head_map.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: data.get(k) for k in ("method", "target_ratio", "allocation") if k in data}
 
 
 def load_model(spec: str) -> EvalModel:
@@ -109,20 +113,21 @@ def load_model(spec: str) -> EvalModel:
         except (ValueError, OSError) as err:
             raise ModelSpecError(f"--model {spec!r}: cannot load {path}: {err}") from err
         return EvalModel(name, model, tok, "pretrained", spec, info=describe(model))
-    try:
-        from hydrahead_jax import load_hydrahead
-    except ImportError:
-        load_hydrahead = None
-    if load_hydrahead is None or not path.is_dir():
+    if not (path.is_dir() and (path / "model_config.json").is_file()):
         raise ModelSpecError(f"--model {spec!r}: {path} is not a model: expected a folder exported by training "
-                             "(runs/<name>/final), a Hugging Face folder with config.json and *.safetensors, or a "
-                             ".gguf file.")
+                             "(WORKDIR/final, with model_config.json, head_map.json and params/), a Hugging Face "
+                             "folder with config.json and *.safetensors, or a .gguf file.")
+    from hydrahead_jax.training.export import load_hydrahead
     try:
         model, tok = load_hydrahead(str(path))
     except Exception as err:  # any failure here means the folder is not a usable export
         raise ModelSpecError(f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: "
-                             f"{err}). Expected the folder train.py writes as <workdir>/final.") from err
-    return EvalModel(name, model, tok, "hydrahead", spec, train_length=_train_length(path), info=describe(model))
+                             f"{err}).") from err
+    if tok is None:
+        raise ModelSpecError(f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "
+                             "teacher), so text prompts cannot be encoded for it.")
+    info = {**describe(model), "head_map": _head_map_summary(path)}
+    return EvalModel(name, model, tok, "hydrahead", spec, train_length=_train_length(path), info=info)
 
 
 def load_models(specs: list[str]) -> list[EvalModel]:

@@ -293,8 +293,7 @@ def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
                 if r["model"] == name:
                     grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["value"]
             fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
-            cmap = plt.get_cmap("RdYlGn").copy()
-            cmap.set_bad("lightgray")
+            cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgray")
             im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
             ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])

@@ -53,23 +53,22 @@ def text_window(runner: Runner, ids: np.ndarray, *, want_nll: bool, hidden: jax.
     """
     ids = np.asarray(ids, np.int32)[None]
     h = runner.hidden_states(ids) if hidden is None else hidden
-    out = {"nll": None, "top1": None, "kl": None}
-    if want_nll:
-        nll = np.zeros(ids.shape[1] - 1, np.float64)
-        for start, lp in runner.log_probs_chunks(h[:, :-1]):
-            targets = ids[:, start + 1:start + 1 + lp.shape[1]]
-            nll[start:start + lp.shape[1]] = -np.asarray(
-                jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], axis=-1))[0, :, 0]
-        out["nll"] = nll
-    if teacher is not None:
-        top1, kl = [], []
-        teacher_chunks = teacher.log_probs_chunks(teacher_hidden)
-        for (_, lp_s), (_, lp_t) in zip(runner.log_probs_chunks(h), teacher_chunks):
-            m, k = _agreement(lp_t, lp_s)
-            top1.append(np.asarray(m)[0])
-            kl.append(np.asarray(k, np.float64)[0])
-        out["top1"], out["kl"] = np.concatenate(top1), np.concatenate(kl)
-    return out
+    t = ids.shape[1]
+    nll = np.zeros(t - 1, np.float64) if want_nll else None
+    top1, kl = (np.zeros(t, bool), np.zeros(t, np.float64)) if teacher is not None else (None, None)
+    # one pass over position chunks serves both: the NLL uses positions 0 … T−2 (the last has no target)
+    teacher_chunks = teacher.log_probs_chunks(teacher_hidden) if teacher is not None else None
+    for start, lp in runner.log_probs_chunks(h):
+        c = lp.shape[1]
+        if want_nll:
+            stop = min(start + c, t - 1)
+            targets = jnp.asarray(ids[:, start + 1:stop + 1])
+            nll[start:stop] = -np.asarray(jnp.take_along_axis(lp[:, :stop - start], targets[..., None], axis=-1))[0, :, 0]
+        if teacher_chunks is not None:
+            _, lp_t = next(teacher_chunks)
+            m, k = _agreement(lp_t, lp)
+            top1[start:start + c], kl[start:start + c] = np.asarray(m)[0], np.asarray(k, np.float64)[0]
+    return {"nll": nll, "top1": top1, "kl": kl}
 
 
 def efficiency(runner: Runner, prompt: np.ndarray, *, decode_steps: int) -> dict:
