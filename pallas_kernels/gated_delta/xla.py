@@ -78,16 +78,20 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, *, scale, initial_state, output
     gam = jnp.exp(glast)[..., None]                               # [B,H,N,1,1] whole-chunk decay
 
     s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qd, kd, p["w"], p["u"], scores, gam))
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (kd, p["w"], p["u"], gam))
 
+    # Only the state recurrence is sequential: the scan carries S and emits each chunk's start state S_n and its
+    # new values ν_n; the outputs o_n = (q e^G) S_n + scores ν_n are then one batched product over all chunks.
+    # Keeping the two output matmuls out of the loop halves the work (and the thread synchronisations) per
+    # sequential step, forward and backward; autodiff saves the per-chunk states for the scan anyway.
     def body(s, x):
-        qd_n, kd_n, w_n, u_n, sc_n, gam_n = x
+        kd_n, w_n, u_n, gam_n = x
         vn = u_n - _mm("bhck,bhkv->bhcv", w_n, s)
-        o_n = _mm("bhck,bhkv->bhcv", qd_n, s) + _mm("bhij,bhjv->bhiv", sc_n, vn)
-        s = gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn)
-        return s, o_n
+        return gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn), (s, vn)
 
-    s, o = jax.lax.scan(body, s0, xs)                             # o [N,B,H,C,V]
-    o = jnp.moveaxis(o, 0, 2).reshape(B, H, -1, V)[:, :, :T]
+    s, (s_start, vn) = jax.lax.scan(body, s0, xs)                # s_start [N,B,H,K,V], vn [N,B,H,C,V]
+    s_start, vn = jnp.moveaxis(s_start, 0, 2), jnp.moveaxis(vn, 0, 2)
+    o = _mm("bhnck,bhnkv->bhncv", qd, s_start) + _mm("bhnij,bhnjv->bhniv", scores, vn)   # [B,H,N,C,V]
+    o = o.reshape(B, H, -1, V)[:, :, :T]
     o = jnp.moveaxis(o, 1, 2).astype(q.dtype)
     return o, (s if output_final_state else None)
