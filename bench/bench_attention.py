@@ -123,7 +123,7 @@ def build_fns(block: Attention, T: int, mode: str):
 
 
 def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_call_s: float, dense_time_max: int,
-              log=print):
+              time_max_seq: int = 1 << 30, log=print):
     """results[mode][T] = {"time": {block: s | None}, "mem": {block: bytes | None}, "note": {block: str}}."""
     blocks = {k: make_block(cfg, k) for k in BLOCKS}
     results = {m: {} for m in modes}
@@ -145,6 +145,9 @@ def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_cal
                     res["mem"][k], res["note"][k] = None, "OOM at compile"
             timed = {}
             for k, exe in compiled.items():
+                if T > time_max_seq:
+                    res["note"][k] = f"memory only (T > --time-max-seq {time_max_seq})"
+                    continue
                 if k == "xla-dense" and T > dense_time_max:
                     res["note"][k] = f"not timed above T={dense_time_max} (materialises {C.fmt_bytes(res['mem'][k])})"
                     continue
@@ -300,6 +303,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds for calls under 2 s")
     ap.add_argument("--max-call-s", type=float, default=90.0,
                     help="do not time a block whose predicted single-call time exceeds this")
+    ap.add_argument("--time-max-seq", type=int, default=32768, help="above this T report memory only")
     ap.add_argument("--dense-time-max", type=int, default=4096, help="largest T at which xla-dense is timed")
     ap.add_argument("--plot", default=str(Path(__file__).with_name("scaling.png")))
     ap.add_argument("--quick", action="store_true", help="smoke settings: SmolLM2 shapes, T 256, fwd+bwd, "
@@ -317,6 +321,7 @@ def main(argv=None):
         print(f"{cfg.name}: stack weights per variant {weights}", flush=True)
         results = run_shape(name, cfg, sorted(args.seq), args.modes, repeats=args.repeats,
                             max_call_s=args.max_call_s, dense_time_max=args.dense_time_max,
+                            time_max_seq=args.time_max_seq,
                             log=lambda s: print(s, flush=True))
         body, summary = tables(name, cfg, results, weights)
         all_results[name] = (cfg, summary)
@@ -327,7 +332,7 @@ def main(argv=None):
         print(f"plot written to {args.plot}")
     body = "\n\n".join(bodies) + "\n\n" + "\n".join(f"- {g}" for g in goal_lines) + "\n"
     settings = (f"batch 1, fp32, shapes {args.shapes}, T {sorted(args.seq)}, modes {args.modes}, repeats "
-                f"{args.repeats} (median, interleaved), --max-call-s {args.max_call_s:g}, xla-dense timed up to "
+                f"{args.repeats} (median, interleaved), --max-call-s {args.max_call_s:g}, timed up to T={args.time_max_seq}, xla-dense timed up to "
                 f"T={args.dense_time_max}; random weights; JAX threads = all {jax.devices()[0].platform} cores")
     C.append_results("Attention block: teacher vs HydraHead 7:1 vs layer-wise (bench_attention.py)", body,
                      settings=settings, record=not args.no_record)
