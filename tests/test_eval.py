@@ -15,8 +15,8 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.data import synthetic
 from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
-from hydrahead_jax.evaluation import (EvalModel, Settings, Suite, SuiteError, exact_match, normalize_answer,
-                                      parse_lengths, parse_suite, write_outputs)
+from hydrahead_jax.evaluation import (ModelSpecError, Settings, Suite, SuiteError, exact_match, load_model,
+                                      normalize_answer, parse_lengths, parse_suite, write_outputs)
 from hydrahead_jax.evaluation import cli, tasks
 from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
 from hydrahead_jax.models import Transformer
@@ -161,6 +161,15 @@ def test_cli_errors_come_before_any_model_loads(world, tmp_path, monkeypatch, ca
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_reports_unusable_inputs_before_the_suite_runs(world, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("too short\n")  # no sentence a haystack could use
+    rc = cli.main(["--model", str(world["teacher_dir"]), "--suite", "passkey", "--lengths", "256",
+                   "--haystack", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot prepare the evaluation inputs" in err and "haystack text has no sentences" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path, capsys):
     junk = tmp_path / "junk"
     junk.mkdir()
@@ -302,18 +311,31 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
         assert _is_png(out / png), png
 
 
-def test_suite_on_a_hybrid_student_reports_constant_state_and_lengths_beyond_training(world, tmp_path):
-    from hydrahead_jax.hybrid import HeadMap, build_student
+def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_training(world, tmp_path):
+    from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_student
+    from hydrahead_jax.training.export import export_final
 
     cfg = world["cfg"]
     head_map = HeadMap.from_fa_groups(cfg, [[0], []], method="test")  # layer 0: one FA group, layer 1: all GDN
-    hybrid = EvalModel("hybrid", build_student(world["teacher"], head_map), world["tok"], "hydrahead",
-                       train_length=256, info={"params": 1, "fa_groups": 1, "kv_groups": 4})
+    student = build_student(world["teacher"], head_map)
+    graphdef, state = nnx.split(student)
+    train_config = {"stage1": {"seq_len": 128}, "stage3": {"seq_len": 256},
+                    "data": {"source": "enwiki", "validation_fraction": 0.05}}
+    final = export_final(tmp_path / "run" / "final", graphdef, jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
+                         cfg, head_map, HybridConfig(), teacher_source=str(world["teacher_dir"]),
+                         resolved_config=train_config)
+    hybrid = load_model(f"hybrid={final}")
+    assert (hybrid.name, hybrid.kind, hybrid.train_length) == ("hybrid", "hydrahead", 256)
+    assert hybrid.info["corpus"] == {"source": "enwiki", "validation_fraction": 0.05}
+    assert hybrid.info["fa_groups"] == 1 and hybrid.info["kv_groups"] == 4
+    ids = np.arange(40, dtype=np.int32)[None] % cfg.vocab_size
+    np.testing.assert_array_equal(full_logits(hybrid.model, ids), full_logits(student, ids))
+
     settings = Settings(suites=("passkey", "efficiency"), retrieval_lengths=(512,), ppl_lengths=(256,),
                         efficiency_lengths=(256, 512), samples=1, decode_steps=2,
                         haystack=str(world["root"] / "haystack.txt"))
     suite = Suite([hybrid], settings).run(progress=False)
-    res = write_outputs(suite, tmp_path)
+    res = write_outputs(suite, tmp_path / "eval")
     eff = {(r["metric"], r["length"]): r for r in res["results"] if r["task"] == "efficiency"}
     # by hand: KV only for layer 0's one FA group (k and v, 16 dims, f32); GDN state per LA query head 16x16 f32
     # plus the 3-tap conv state over q, k (per LA head) and v channels
@@ -326,4 +348,15 @@ def test_suite_on_a_hybrid_student_reports_constant_state_and_lengths_beyond_tra
     assert eff[("prefill_s", 512)]["beyond_train_length"] and not eff[("prefill_s", 256)]["beyond_train_length"]
     (passkey,) = [r for r in res["results"] if r["task"] == "passkey"]
     assert passkey["beyond_train_length"] and passkey["n"] == 1
-    assert "| hybrid | hydrahead |" in (tmp_path / "report.md").read_text()
+    assert "| hybrid | hydrahead |" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_an_export_without_a_tokenizer_is_a_clear_error(world, tmp_path):
+    from hydrahead_jax.hybrid import HeadMap, HybridConfig
+    from hydrahead_jax.training.export import export_final
+
+    graphdef, state = nnx.split(world["teacher"])
+    final = export_final(tmp_path / "final", graphdef, jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
+                         world["cfg"], HeadMap.all_fa(world["cfg"]), HybridConfig(), teacher_source=None)
+    with pytest.raises(ModelSpecError, match="records no tokenizer"):
+        load_model(str(final))

@@ -104,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         teacher = None
         if args.teacher and not any(m.is_teacher for m in models):
             teacher = load_model(f"teacher:{args.teacher}")
+        if settings.corpus is None:  # the validation split of the corpus the (first) exported model trained on
+            settings.corpus = next((m.info["corpus"] for m in models if m.info.get("corpus")), None)
+        suite = Suite(models, settings, teacher=teacher).prepare()
     except (SuiteError, ModelSpecError) as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2
-    suite = Suite(models, settings, teacher=teacher).run(progress=not args.no_progress)
+    suite.run(progress=not args.no_progress)
     write_outputs(suite, out)
     print(f"wrote {out / 'report.md'}, {out / 'results.json'} and plots"
           + (f"; {len(suite.skipped)} cell(s) skipped, see the report" if suite.skipped else ""))

@@ -47,10 +47,14 @@ class Inputs:
     """
 
     def __init__(self, *, seed: int = 0, haystack: str | None = None, texts: dict[str, str] | None = None,
-                 needle_type: str = "number"):
+                 needle_type: str = "number", corpus: dict | None = None):
         self.seed = seed
         self.haystack_path = haystack
         self.text_paths = dict(texts) if texts else None
+        # the training corpus and its validation split settings (from an export's train_config.json), so the
+        # validation documents are exactly the ones training held out
+        self.corpus = {"source": "enwiki", "validation_fraction": 0.02, "txt_split": "file", "text_field": "text",
+                       **(corpus or {})}
         self.needle_type = needle_type
         self._haystacks: dict = {}
         self._streams: dict = {}
@@ -83,7 +87,9 @@ class Inputs:
     # -- held-out text -------------------------------------------------------------------------------------
 
     def source_names(self) -> list[str]:
-        return list(self.text_paths) if self.text_paths else ["wiki-val", "news"]
+        if self.text_paths:
+            return list(self.text_paths)
+        return ["wiki-val" if self.corpus["source"] == "enwiki" else "corpus-val", "news"]
 
     def stream(self, name: str, tok) -> np.ndarray:
         """Token ids int32 [N] of held-out source ``name`` (documents joined by EOS when the tokenizer has one)."""
@@ -98,9 +104,11 @@ class Inputs:
         if name == "news":
             from hydrahead_jax.data import load_heldout_text
             return np.asarray(tok.encode(load_heldout_text()), np.int32)
-        if name == "wiki-val":
+        if name in ("wiki-val", "corpus-val"):
             from hydrahead_jax.data import CorpusStore, prepare_corpus
-            store = CorpusStore(prepare_corpus(tok, "enwiki"), "validation")
+            c = self.corpus
+            store = CorpusStore(prepare_corpus(tok, c["source"], validation_fraction=float(c["validation_fraction"]),
+                                               txt_split=c["txt_split"], text_field=c["text_field"]), "validation")
             return np.asarray(store.read(0, store.num_tokens), np.int32)
         raise KeyError(f"unknown text source {name!r}")
 

@@ -80,6 +80,17 @@ def _train_length(path: Path) -> int | None:
     return max(lengths) if lengths else None
 
 
+def _corpus_settings(path: Path) -> dict | None:
+    """The training corpus and split settings from the export's train_config.json (its ``data`` section)."""
+    try:
+        data = json.loads((path / "train_config.json").read_text()).get("data")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("source"), str) or data["source"] in ("copy", ""):
+        return None
+    return {k: data[k] for k in ("source", "validation_fraction", "txt_split", "text_field") if k in data}
+
+
 def _head_map_summary(path: Path) -> dict:
     try:
         data = json.loads((path / "head_map.json").read_text())
@@ -126,7 +137,7 @@ def load_model(spec: str) -> EvalModel:
     if tok is None:
         raise ModelSpecError(f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "
                              "teacher), so text prompts cannot be encoded for it.")
-    info = {**describe(model), "head_map": _head_map_summary(path)}
+    info = {**describe(model), "head_map": _head_map_summary(path), "corpus": _corpus_settings(path)}
     return EvalModel(name, model, tok, "hydrahead", spec, train_length=_train_length(path), info=info)
 
 

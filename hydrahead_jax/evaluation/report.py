@@ -162,6 +162,10 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
     lines += _table(["model", "kind", "parameters", "FA groups / KV groups", "train length"],
                     [[m["name"], m["kind"], f"{m['params'] / 1e6:.1f} M", f"{m['fa_groups']} / {m['kv_groups']}",
                       str(m["train_length"] or "–")] for m in results["models"]])
+    beyond = [f"{m['name']} (> {m['train_length']})" for m in results["models"] if m["train_length"]]
+    if beyond:
+        lines += [f"Lengths beyond training, where extrapolation is tested: {', '.join(beyond)}; each record in "
+                  "results.json carries `beyond_train_length`.", ""]
 
     retrieval = [t for t in RETRIEVAL_TASKS if t in s["suites"]]
     if retrieval:

@@ -85,6 +85,7 @@ class Settings:
     memory_limit: int | None = None
     haystack: str | None = None
     texts: dict | None = None
+    corpus: dict | None = None      # training corpus settings (source, validation_fraction, …) for the val split
 
     @classmethod
     def demo(cls, **overrides) -> "Settings":
@@ -126,7 +127,7 @@ class Suite:
         self.models = models
         self.settings = settings
         self.inputs = Inputs(seed=settings.seed, haystack=settings.haystack, texts=settings.texts,
-                             needle_type=settings.needle_type)
+                             needle_type=settings.needle_type, corpus=settings.corpus)
         self.teacher = teacher or next((m for m in models if m.is_teacher), None)
         self.runners = {m.name: Runner(m.model, memory_limit=settings.memory_limit) for m in models}
         if self.teacher is not None and self.teacher.name not in self.runners:
@@ -165,7 +166,25 @@ class Suite:
                         units.append(Unit(m, task, length, self._efficiency_unit(m, length)))
         return units
 
+    def prepare(self) -> "Suite":
+        """Build every input that could fail (haystacks, held-out text, the token store) before the suite starts,
+        once per tokenizer; raises SuiteError naming the input."""
+        s = self.settings
+        for m in self.models:
+            try:
+                if any(t in RETRIEVAL_TASKS for t in s.suites):
+                    self.inputs.haystack(m.tokenizer)
+                if "ppl" in s.suites or "agreement" in s.suites:
+                    for name in self.inputs.source_names():
+                        self.inputs.stream(name, m.tokenizer)
+            except (OSError, ValueError, KeyError) as err:
+                raise SuiteError(f"cannot prepare the evaluation inputs for {m.name}: {type(err).__name__}: {err}. "
+                                 "Fix: pass --haystack FILE / --text NAME=FILE, or make the default corpus "
+                                 "reachable.") from err
+        return self
+
     def run(self, progress: bool = True) -> "Suite":
+        self.prepare()
         units = self.plan()
         bar = tqdm(units, desc="eval", unit="unit", disable=not progress, dynamic_ncols=True)
         for unit in bar:
