@@ -122,6 +122,16 @@ def build_fns(block: Attention, T: int, mode: str):
     return jax.jit(fwdbwd), (state, x, dy)
 
 
+def _available_bytes():
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_call_s: float, dense_time_max: int,
               time_max_seq: int = 1 << 30, log=print):
     """results[mode][T] = {"time": {block: s | None}, "mem": {block: bytes | None}, "note": {block: str}}."""
@@ -145,6 +155,12 @@ def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_cal
                     res["mem"][k], res["note"][k] = None, "OOM at compile"
             timed = {}
             for k, exe in compiled.items():
+                avail = _available_bytes()
+                if avail is not None and res["mem"][k] > 0.6 * avail:
+                    # A kernel OOM kill cannot be caught: do not run what would not fit next to other processes.
+                    res["note"][k] = (f"not run: needs {C.fmt_bytes(res['mem'][k])}, "
+                                      f"{C.fmt_bytes(avail)} available")
+                    continue
                 if T > time_max_seq:
                     res["note"][k] = f"memory only (T > --time-max-seq {time_max_seq})"
                     continue
