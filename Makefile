@@ -36,8 +36,8 @@ demo: $(VENV)/.installed
 	$(PY) train.py --config configs/smollm2_hydrahead.py --workdir $(WORKDIR)
 	$(PY) eval.py --model $(WORKDIR)/final --model teacher:smollm2-135m --suite demo --out $(WORKDIR)/eval
 	@echo ""
-	@echo "Done. Head map and heatmap: $(WORKDIR)/stage0_select/   model: $(WORKDIR)/final/"
-	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tb)   evaluation: $(WORKDIR)/eval/report.md"
+	@echo "Done. Head map: $(WORKDIR)/head_map.json (heatmap: $(WORKDIR)/selection/head_scores.png)   model: $(WORKDIR)/final/"
+	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tensorboard)   evaluation: $(WORKDIR)/eval/report.md"
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest tests $(PYTEST_ARGS)
