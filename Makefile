@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tensorboard)   evaluation: $(WORKDIR)/eval/report.md"
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-dev
 	$(PY) bench/run_all.py

