@@ -9,3 +9,24 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import fcntl  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gensim_wheel():
+    """The gensim 4.4.0 wheel that carries the default corpus, from the project cache ($HYDRAHEAD_CACHE or
+    ~/.cache/hydrahead_jax): on a new machine it is fetched from PyPI once, as `make demo` does. Tests copy it into
+    their own cache folders. A lock keeps parallel pytest workers from downloading it twice at once."""
+    from hydrahead_jax.data.corpus import cache_dir, fetch_gensim_wheel
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".gensim-download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return fetch_gensim_wheel(cache)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

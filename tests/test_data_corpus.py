@@ -1,7 +1,6 @@
 """Corpus preparation: wiki cleaner, the default Wikipedia extract with the real SmolLM2 tokenizer, user
 files, store reuse / tokenizer mismatch, and clear errors that leave nothing half-written."""
 import bz2
-import glob
 import json
 import re
 import shutil
@@ -17,8 +16,6 @@ from hydrahead_jax.data.corpus import (CorpusError, CorpusStore, TokenizerMismat
                                        load_enwiki_documents, load_heldout_text, prepare_corpus)
 from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
 from hydrahead_jax.data.wiki import clean_wiki_markup
-
-CACHED_WHEELS = sorted(glob.glob("/root/.cache/hydrahead/gensim-4.4.0-*.whl"))
 
 SNIPPET = """{{Infobox person
 | name = Ada {{nowrap|Lovelace}}
@@ -54,12 +51,10 @@ def test_wiki_cleaner_unbalanced_template_drops_rest():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """A cache folder holding the gensim wheel (copied from the local cache: tests use no network)."""
-  if not CACHED_WHEELS:
-    pytest.fail("no cached gensim-4.4.0 wheel in /root/.cache/hydrahead; run fetch_gensim_wheel() once")
+def cache(tmp_path_factory, gensim_wheel):
+  """A cache folder of this module's own holding the gensim wheel (see conftest.gensim_wheel)."""
   d = tmp_path_factory.mktemp("cache")
-  shutil.copy(CACHED_WHEELS[0], d)
+  shutil.copy(gensim_wheel, d)
   return d
 
 
@@ -119,12 +114,12 @@ def test_heldout_text(cache):
   assert len(text.splitlines()) == 300 and 3.5e5 < len(text) < 3.7e5
 
 
-def test_fetch_downloads_with_pip_when_missing(tmp_path, monkeypatch):
+def test_fetch_downloads_with_pip_when_missing(tmp_path, monkeypatch, gensim_wheel):
   calls = []
 
   def fake_run(cmd, capture_output, text):
     calls.append(cmd)
-    shutil.copy(CACHED_WHEELS[0], cmd[cmd.index("-d") + 1])  # what pip download would leave there
+    shutil.copy(gensim_wheel, cmd[cmd.index("-d") + 1])  # what pip download would leave there
     return subprocess.CompletedProcess(cmd, 0, "", "")
 
   monkeypatch.setattr(corpus.subprocess, "run", fake_run)

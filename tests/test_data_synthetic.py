@@ -1,6 +1,5 @@
 """Synthetic retrieval tasks with the real SmolLM2 tokenizer over real held-out news text: answers sit
 verbatim at the stated positions, and each prompt's text, parsed independently, implies the answer."""
-import glob
 import json
 import re
 import shutil
@@ -19,12 +18,9 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def hay(tok, tmp_path_factory):
-  wheels = sorted(glob.glob("/root/.cache/hydrahead/gensim-4.4.0-*.whl"))
-  if not wheels:
-    pytest.fail("no cached gensim-4.4.0 wheel in /root/.cache/hydrahead; run fetch_gensim_wheel() once")
+def hay(tok, tmp_path_factory, gensim_wheel):
   cache = tmp_path_factory.mktemp("cache")
-  shutil.copy(wheels[0], cache)
+  shutil.copy(gensim_wheel, cache)
   return Haystack(load_heldout_text(cache), tok)
 
 
