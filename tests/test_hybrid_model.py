@@ -212,6 +212,37 @@ def test_la_path_matches_naive_recurrence(hc):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+def test_causal_conv_values_and_gradients_match_xla_conv(with_state):
+    """The hand-written conv VJP against autodiff of XLA's depthwise convolution (feature_group_count = C)."""
+    from hydrahead_jax.hybrid.gdn import causal_depthwise_conv
+    kx, kw, ks, kd = jax.random.split(jax.random.key(7), 4)
+    B, T, C, W = 2, 37, 6, 4
+    x = jax.random.normal(kx, (B, T, C))
+    w = jax.random.normal(kw, (W, C))
+    state = jax.random.normal(ks, (B, W - 1, C)) if with_state else jnp.zeros((B, W - 1, C))
+    dy = jax.random.normal(kd, (B, T, C))
+
+    def ref(x, w, state):
+        padded = jnp.concatenate([state, x], axis=1)                      # [B, W−1+T, C]
+        y = jax.lax.conv_general_dilated(padded, w[:, None, :], window_strides=(1,), padding="VALID",
+                                         dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=C,
+                                         precision=jax.lax.Precision.HIGHEST)
+        return y, padded[:, T:]
+
+    def ours(x, w, state):
+        return causal_depthwise_conv(x, w, state if with_state else None)
+
+    (y, new_state), (y_ref, new_state_ref) = ours(x, w, state), ref(x, w, state)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(new_state, new_state_ref)
+    argnums = (0, 1, 2) if with_state else (0, 1)
+    grads = jax.grad(lambda *a: jnp.vdot(ours(*a)[0], dy), argnums=argnums)(x, w, state)
+    grads_ref = jax.grad(lambda *a: jnp.vdot(ref(*a)[0], dy), argnums=argnums)(x, w, state)
+    for got, want in zip(grads, grads_ref):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ fusion
 def naive_teacher_heads(teacher, ids):
     """Per-head attention outputs (before o_proj) of a one-layer teacher, in float64 numpy."""

@@ -53,6 +53,36 @@ def initial_dt(n_heads: int) -> np.ndarray:
     return np.geomspace(DT_MIN, DT_MAX, n_heads)
 
 
+@jax.custom_vjp
+def _conv_valid(padded: jax.Array, weight: jax.Array) -> jax.Array:
+    """y_t = Σ_j w_j · padded_{t+j} for t < len(padded) − W + 1; padded [B,W−1+T,C], weight [W,C], both fp32.
+
+    VJP:  ∂L/∂padded_s = Σ_j w_j ∂L/∂y_{s−j},   ∂L/∂w_j = Σ_{b,t} ∂L/∂y_t ⊙ padded_{t+j}.
+    Written by hand so the backward keeps only ``padded``: autodiff of the shifted slices kept W−1 shifted copies
+    of the activations (one per tap) alive for the weight gradient, and XLA CPU materialised each of them.
+    """
+    width = weight.shape[0]
+    t = padded.shape[1] - width + 1
+    return sum(padded[:, j:j + t] * weight[j] for j in range(width))
+
+
+def _conv_valid_fwd(padded, weight):
+    return _conv_valid(padded, weight), (padded, weight)
+
+
+def _conv_valid_bwd(res, dy):
+    padded, weight = res
+    width = weight.shape[0]
+    t = dy.shape[1]
+    dpadded = sum(jax.lax.pad(dy * weight[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)])
+                  for j in range(width))
+    dweight = jnp.stack([jnp.sum(dy * padded[:, j:j + t], axis=(0, 1)) for j in range(width)])
+    return dpadded, dweight
+
+
+_conv_valid.defvjp(_conv_valid_fwd, _conv_valid_bwd)
+
+
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """y_t = Σ_j w_j · x_{t−(W−1)+j} over channels independently; x [B,T,C], weight [W,C], state [B,W−1,C].
 
@@ -60,13 +90,14 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array, state: jax.Array | No
     last W−1 inputs), so a sequence run in pieces (prefill, then one token at a time) equals one run over all.
     """
     width = weight.shape[0]
-    if state is None:
-        state = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
-    padded = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W−1+T, C]
     t = x.shape[1]
-    w = weight.astype(jnp.float32)
-    y = sum(padded[:, j:j + t].astype(jnp.float32) * w[j] for j in range(width))
-    return y.astype(x.dtype), padded[:, t:]
+    x32 = x.astype(jnp.float32)
+    if state is None:
+        padded = jax.lax.pad(x32, 0.0, [(0, 0, 0), (width - 1, 0, 0), (0, 0, 0)])
+    else:
+        padded = jnp.concatenate([state.astype(jnp.float32), x32], axis=1)  # [B, W−1+T, C]
+    y = _conv_valid(padded, weight.astype(jnp.float32))
+    return y.astype(x.dtype), padded[:, t:].astype(x.dtype)
 
 
 class GatedDeltaNetHeads(nnx.Module):
@@ -111,16 +142,18 @@ class GatedDeltaNetHeads(nnx.Module):
         return g, beta
 
     def conv(self, q, k, v, state):
-        """Causal conv over the concatenated q/k/v channels; returns (q, k, v, new conv state)."""
-        b, t = q.shape[:2]
-        hd = self.cfg.head_dim
-        flat = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
-        y, state = causal_depthwise_conv(flat, self.conv_weight[...], state)
-        nq, nkv = self.num_heads * hd, self.num_kv * hd
-        q = y[..., :nq].reshape(q.shape)
-        k = y[..., nq:nq + nkv].reshape(k.shape)
-        v = y[..., nq + nkv:].reshape(v.shape)
-        return q, k, v, state
+        """Causal conv over the q/k/v channels (weight and state: q, then k, then v channels); returns (q, k, v,
+        new conv state). Each tensor is convolved on its own: concatenating them first costs an activation-sized
+        copy forward and backward."""
+        splits = np.cumsum([x.shape[2] * x.shape[3] for x in (q, k)]).tolist()
+        weights = jnp.split(self.conv_weight[...], splits, axis=1)
+        states = [None] * 3 if state is None else jnp.split(state, splits, axis=2)
+        outs, new_states = [], []
+        for x, w, st in zip((q, k, v), weights, states):
+            y, st = causal_depthwise_conv(x.reshape(x.shape[0], x.shape[1], -1), w, st)
+            outs.append(y.reshape(x.shape))
+            new_states.append(st)
+        return (*outs, jnp.concatenate(new_states, axis=-1))
 
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import _pallas_common as common
+from . import chunk_math as common
 
 _F32 = jnp.float32
 
@@ -133,6 +133,6 @@ def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, *, scale, initial_state,
                                       use_qk_l2norm, chunk_size=64, interpret=False, block_v=None,
                                       num_warps=None, prec=None):
     rec = recurrence(chunk_size, interpret, block_v, num_warps)
-    return common.chunk_gated_delta_rule_pallas(
+    return common.chunked_gated_delta_rule(
         rec, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, prec=prec)
+        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, pad_pow2=True, prec=prec)

@@ -5,7 +5,7 @@ axis "arbitrary" (sequential) and the fp32 K×V state carried across grid steps 
 buffer; each step sees one (C, ·) block of q, k, W, U, G, so Pallas double-buffers the HBM traffic.
 The backward walks the chunk axis in reverse through its index maps, carrying dS in VMEM and
 reading the chunk-start states the training forward saved. Same chunk math as the GPU kernel
-(`_pallas_common`); only block specs, scratch handling and compiler params differ.
+(`chunk_math`); only block specs, scratch handling and compiler params differ.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _pallas_common as common
+from . import chunk_math as common
 
 _F32 = jnp.float32
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
@@ -128,6 +128,7 @@ def recurrence(chunk_size=64, interpret=False):
 
 def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                       use_qk_l2norm, chunk_size=64, interpret=False, prec=None):
-    return common.chunk_gated_delta_rule_pallas(
+    return common.chunked_gated_delta_rule(
         recurrence(chunk_size, interpret), q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, prec=prec)
+        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+        pad_pow2=True, prec=prec)
