@@ -6,14 +6,16 @@ from hydrahead_jax.selection import SelectionConfig
 
 def stage(*, steps=0, tokens=0, seq_len=256, batch_size=8, lr=1e-3, warmup_steps=10, end_lr_ratio=0.1,
           weight_decay=0.0, clip_norm=1.0, train="all", loss_chunk=512, checkpoint_every=50, keep_checkpoints=2,
-          synthetic_rate=0.0, kl_weight=0.0, ce_weight=0.0, temperature=1.0) -> ConfigDict:
+          synthetic_rate=0.0, kl_weight=0.0, ce_weight=0.0, temperature=1.0, remat=False) -> ConfigDict:
     """One training stage: budget (steps, or tokens when steps == 0), data shape, AdamW + warmup/cosine schedule,
-    which parameters train ('new': GDN + fusion only; 'all'), loss weights, checkpoint interval."""
+    which parameters train ('new': GDN + fusion only; 'all'), loss weights, checkpoint interval, and ``remat``:
+    recompute each student layer in the backward pass (keeps one layer's activations instead of all of them, for
+    about one more forward pass of compute)."""
     return ConfigDict(dict(steps=steps, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
                            warmup_steps=warmup_steps, end_lr_ratio=end_lr_ratio, weight_decay=weight_decay,
                            clip_norm=clip_norm, train=train, loss_chunk=loss_chunk, checkpoint_every=checkpoint_every,
                            keep_checkpoints=keep_checkpoints, synthetic_rate=synthetic_rate, kl_weight=kl_weight,
-                           ce_weight=ce_weight, temperature=temperature))
+                           ce_weight=ce_weight, temperature=temperature, remat=remat))
 
 
 def base() -> ConfigDict:

@@ -103,3 +103,48 @@ def test_align_loss_equals_hand_written_per_layer_mse():
     assert want > 1e-4
     np.testing.assert_allclose(float(got), want, rtol=1e-4)
     np.testing.assert_allclose(float(metrics["align_mse_mean"]), want / 3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["align", "distil", "long"])
+def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
+    """Per-layer rematerialisation changes what the backward pass keeps, not what it computes."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    teacher = Transformer(cfg, rngs=nnx.Rngs(0))
+    head_map = HeadMap.from_fa_groups(cfg, [[0], [], [1], []], method="test")
+    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(0, 64, (2, 512)), jnp.int32)
+    batch = {"input_ids": ids, "loss_mask": jnp.ones((2, 512), jnp.float32),
+             "targets": jnp.roll(ids, -1, axis=1)}
+    graphdef, params = nnx.split(student)
+    t_graphdef, t_state = nnx.split(teacher)
+
+    def make(remat):
+        settings = LossSettings(kind=kind, remat=remat, chunk=64)
+
+        def loss(params, t_state, batch):
+            return compute_loss(nnx.merge(graphdef, params), nnx.merge(t_graphdef, t_state), batch, settings)[0]
+        return jax.jit(jax.value_and_grad(loss))
+
+    plain, remat = make(False), make(True)
+    (l0, g0), (l1, g1) = plain(params, t_state, batch), remat(params, t_state, batch)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    temp = [f.lower(params, t_state, batch).compile().memory_analysis().temp_size_in_bytes for f in (plain, remat)]
+    # Stages 2-3 chain the layers, so the backward holds one layer's intermediates at a time (measured 0.57x and
+    # 0.44x here). Stage 1's per-layer losses are independent of each other, and XLA is free to schedule their
+    # recomputations together: a smaller saving (0.88x here), but still one.
+    assert temp[1] < (1.0 if kind == "align" else 0.7) * temp[0], temp
+
+
+def test_remat_refuses_cache_and_intermediates():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="remat=True"):
+        model.hidden_states(ids, intermediates={}, remat=True)
+    with pytest.raises(ValueError, match="remat=True"):
+        model.hidden_states(ids, cache=model.init_cache(1, 8), remat=True)

@@ -43,6 +43,11 @@ class Block(nnx.Module):
         return h, cache
 
 
+@nnx.remat
+def _remat_layer(layer: Block, h: jax.Array, positions: jax.Array) -> jax.Array:
+    return layer(h, positions)[0]
+
+
 class Transformer(nnx.Module):
     """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA)."""
 
@@ -64,12 +69,17 @@ class Transformer(nnx.Module):
                                       rngs=rngs)
 
     def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                      cache: dict[str, Any] | None = None, intermediates: dict | None = None):
+                      cache: dict[str, Any] | None = None, intermediates: dict | None = None, remat: bool = False):
         """Final normalised hidden states [B,T,d] (and the updated cache when one is given).
 
         With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
         index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
+        ``remat`` (training): each layer is rematerialised in the backward pass (``nnx.remat``), so only the layer
+        inputs [B,T,d] are kept between forward and backward instead of every layer's intermediates.
         """
+        if remat and (cache is not None or intermediates is not None):
+            raise ValueError("remat=True is for training forward passes: it cannot be combined with a cache or "
+                             "with intermediates.")
         b, t = input_ids.shape
         cache_index = None if cache is None else cache["index"]
         if positions is None:
@@ -78,6 +88,9 @@ class Transformer(nnx.Module):
         h = self.embed_tokens(input_ids)
         new_layers = []
         for i, layer in enumerate(self.layers):
+            if remat:
+                h = _remat_layer(layer, h, positions)
+                continue
             layer_cache = None if cache is None else cache["layers"][i]
             h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates)
             new_layers.append(layer_cache)

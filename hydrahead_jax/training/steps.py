@@ -8,6 +8,7 @@ The teacher is a separate pytree argument: never differentiated, never donated, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -28,6 +29,7 @@ class LossSettings:
     ce_weight: float = 1.0  # next-token CE weight (stage 3; stage 2 adds CE too when > 0)
     temperature: float = 1.0
     chunk: int = 512  # token chunk of the logits loops
+    remat: bool = False  # rematerialise each student layer (attention block in stage 1) in the backward pass
 
     def __post_init__(self):
         if self.kind not in STAGE_KINDS:
@@ -45,6 +47,11 @@ def _positions(ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
+@nnx.remat
+def _remat_attention(attn: nnx.Module, x: jax.Array, positions: jax.Array):
+    return attn(x, positions)
+
+
 def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array],
                  settings: LossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scalar loss and metrics of one batch for the stage ``settings.kind``."""
@@ -56,10 +63,12 @@ def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[st
         t_in = [jax.lax.stop_gradient(x) for x in inter["attn_inputs"]]
         t_out = [jax.lax.stop_gradient(y) for y in inter["attn_outputs"]]
         attns = [layer.self_attn for layer in student.layers]
+        if settings.remat:
+            attns = [functools.partial(_remat_attention, attn) for attn in attns]
         total, per_layer = losses.align_loss(attns, t_in, t_out, positions, mask)
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
-    h_s, _ = student.hidden_states(ids, positions=positions)
+    h_s, _ = student.hidden_states(ids, positions=positions, remat=settings.remat)
     metrics: dict[str, jax.Array] = {}
     total = jnp.zeros((), jnp.float32)
     if settings.kind == "distil" or settings.kl_weight > 0:

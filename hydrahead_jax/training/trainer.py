@@ -92,7 +92,8 @@ def _train(spec, ckpt, student_graphdef, abstract_student, abs_full, full_shardi
     steps = total_steps(scfg)
     settings = LossSettings(kind=spec.kind, kl_weight=float(scfg.get("kl_weight", 0.0)),
                             ce_weight=float(scfg.get("ce_weight", 1.0 if spec.kind == "long" else 0.0)),
-                            temperature=float(scfg.get("temperature", 1.0)), chunk=int(scfg.loss_chunk))
+                            temperature=float(scfg.get("temperature", 1.0)), chunk=int(scfg.loss_chunk),
+                            remat=bool(scfg.get("remat", False)))
     if settings.needs_teacher and teacher is None:
         raise ValueError(f"stage {spec.config_key} ({spec.kind}) needs the teacher.")
     tx, schedule = make_optimizer(lr=float(scfg.lr), warmup_steps=int(scfg.warmup_steps), total_steps=steps,

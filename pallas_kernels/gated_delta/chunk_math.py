@@ -146,7 +146,7 @@ def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size):
     j = jnp.arange(C)[None, :]
     # The chunk-local cumsum as a product with a lower-triangular ones matrix: XLA CPU lowers `cumsum` to a
     # reduce-window that it then fuses into every consumer, re-summing up to C terms per element of the
-    # [C, C] decay below (~3x this function's time).
+    # [C, C] decay below (profiled at T=8K, 9 heads: that exp fusion took 19 ms, 7 ms with the matmul).
     gcum = _mm("...j,ij->...i", g, (i >= j).astype(_F32))
     # Mask before exp: only i > j ever reaches exp; the rest becomes exp(−inf) = 0.
     decay = jnp.exp(jnp.where(i > j, gcum[..., :, None] - gcum[..., None, :], -jnp.inf))

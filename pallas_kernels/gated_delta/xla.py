@@ -2,18 +2,18 @@
 
 The math is chunk_math's (WY prologue, chunk recurrence and its VJP); here the recurrence runs as batched XLA:
 
-- forward: a `lax.scan` over chunks carries only the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ (U − W S_n),
+- forward: a loop over chunks carries only the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ (U − W S_n),
   and emits each chunk's start state S_n and new values ν_n; the outputs O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n are
   then one batched product over all chunks (half the work per sequential step, forward and backward).
 - backward (hand-written, `chunk_math.make_recurrence`): only the dS recurrence is sequential,
       dν_n = ((q kᵀ) ⊙ D)ᵀ dO_n + (k e^{G_C − G}) dS_{n+1},   dS_n = (q e^G)ᵀ dO_n + e^{G_C} dS_{n+1} − W_nᵀ dν_n,
-  a reverse scan whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
+  a reverse loop whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
   dS_{n+1} known, `chunk_math.chunk_backward` gives each chunk's dq, dk, dW, dU, dG independently: one batched
   (vmapped) call over all chunks.
 
 The custom_vjp saves the inputs and the per-chunk start states only ([B,H,N,K,V], the size of one K-wide input at
-C = K), where autodiff through the scan and the prologue kept every intermediate: 505 MiB against 116 MiB of
-temporaries for B=1, T=8K, 9 heads of 64, and 2.2x faster forward+backward on CPU (bench/RESULTS.md).
+C = K), where autodiff through a scan kept every intermediate. Measured on the 2-core CPU (B=1, T=8K, 9 heads of
+64, fwd+bwd, with the prologue's own VJPs in chunk_math): 0.35 s → 0.28 s and 505 → 363 MiB of temporaries.
 """
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def _chunked(x, C):
     return x.reshape(B, H, Tp // C, C, d)
 
 
+def _at(x, n):
+    """Chunk n of a [B,H,N,...] array. The loops index the chunk axis in place: moving it to the front for a
+    `lax.scan` costs a transposing copy of every input and output (~10 ms each at T=8K on the 2-core CPU)."""
+    return jax.lax.dynamic_index_in_dim(x, n, axis=2, keepdims=False)
+
+
+def _put(x, value, n):
+    return jax.lax.dynamic_update_index_in_dim(x, value, n, axis=2)
+
+
 def _decay_terms(g, C):
     """g [B,H,Tp,1] (chunk-local cumulative) -> G [B,H,N,C], causal decay D [B,H,N,C,C], G_C [B,H,N,1]."""
     B, H, Tp, _ = g.shape
@@ -58,15 +68,17 @@ def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size):
     qd = qc * jnp.exp(G)[..., None]                                # reads the chunk-start state
     kd = kc * jnp.exp(glast - G)[..., None]                        # writes, decayed to the chunk end
     gam = jnp.exp(glast)[..., None]                                # [B,H,N,1,1] whole-chunk decay
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (kd, wc, uc, gam))
 
-    def body(s, x):
-        kd_n, w_n, u_n, gam_n = x
-        vn = u_n - _mm("bhck,bhkv->bhcv", w_n, s, prec)
-        return gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn, prec), (s, vn)
+    def body(n, carry):
+        s, s_start, vn = carry
+        kd_n, w_n, u_n, gam_n = (_at(x, n) for x in (kd, wc, uc, gam))
+        vn_n = u_n - _mm("bhck,bhkv->bhcv", w_n, s, prec)
+        s_start, vn = _put(s_start, s, n), _put(vn, vn_n, n)
+        return gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn_n, prec), s_start, vn
 
-    s, (s_start, vn) = jax.lax.scan(body, s0, xs)                 # s_start [N,B,H,K,V], vn [N,B,H,C,V]
-    s_start, vn = jnp.moveaxis(s_start, 0, 2), jnp.moveaxis(vn, 0, 2)
+    N = Tp // C
+    s, s_start, vn = jax.lax.fori_loop(
+        0, N, body, (s0, jnp.zeros((B, H, N, K, V), _F32), jnp.zeros((B, H, N, C, V), _F32)))
     o = _mm("bhnck,bhnkv->bhncv", qd, s_start, prec) + _mm("bhnij,bhnjv->bhniv", scores, vn, prec)
     return o.reshape(B, H, Tp, V), s, (s_start if save_states else None)
 
@@ -84,15 +96,16 @@ def bwd_call(q, k, w, u, g, states, do, ds_final, *, prec, chunk_size):
     ds_from_o = _mm("bhnck,bhncv->bhnkv", qc * jnp.exp(G)[..., None], doc, prec)   # (q e^G)ᵀ dO
     kd = kc * jnp.exp(glast - G)[..., None]
     gam = jnp.exp(glast)[..., None]
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (dvn_from_o, ds_from_o, kd, wc, gam))
 
-    def body(ds, x):  # ds = ∂L/∂S_{n+1}  →  ∂L/∂S_n
-        dvn_o, ds_o, kd_n, w_n, gam_n = x
+    def body(i, carry):  # ds = ∂L/∂S_{n+1}  →  ∂L/∂S_n, for n = N−1 … 0
+        ds, ds_after = carry
+        n = N - 1 - i
+        dvn_o, ds_o, kd_n, w_n, gam_n = (_at(x, n) for x in (dvn_from_o, ds_from_o, kd, wc, gam))
         dvn = dvn_o + _mm("bhck,bhkv->bhcv", kd_n, ds, prec)
-        return ds_o + gam_n * ds - _mm("bhck,bhcv->bhkv", w_n, dvn, prec), ds
+        ds_after = _put(ds_after, ds, n)
+        return ds_o + gam_n * ds - _mm("bhck,bhcv->bhkv", w_n, dvn, prec), ds_after
 
-    ds0, ds_after = jax.lax.scan(body, ds_final, xs, reverse=True)   # ds_after[n] = ∂L/∂S_{n+1}
-    ds_after = jnp.moveaxis(ds_after, 0, 2)
+    ds0, ds_after = jax.lax.fori_loop(0, N, body, (ds_final, jnp.zeros((B, H, N, K, V), _F32)))  # [n]: ∂L/∂S_{n+1}
 
     def flat(x):  # [B,H,N,...] -> [B·H·N, ...]
         return x.reshape((B * H * N,) + x.shape[3:])
