@@ -50,14 +50,14 @@ def recipe_seq_lens() -> tuple[tuple[int, ...], str]:
         return DEFAULT_SEQ, "defaults (no configs/smollm2_hydrahead.py)"
 
 
-def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int):
+def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int, remat: bool = False):
     """(compiled step, state, teacher_state, batch, compiled bytes) of one stage."""
     trainable = new_param_filter if kind == "align" else nnx.Param
     gd, params, frozen = nnx.split(student, trainable, ...)
     # The step donates its state: copy, so the student/teacher arrays (shared by build_student) stay alive.
     params, frozen = jax.tree.map(jnp.copy, (params, frozen))
     t_gd, t_state = nnx.split(teacher)
-    settings = LossSettings(kind=kind, chunk=chunk, ce_weight=1.0 if kind == "long" else 0.0)
+    settings = LossSettings(kind=kind, chunk=chunk, ce_weight=1.0 if kind == "long" else 0.0, remat=remat)
     tx, schedule = make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100)
     step = jax.jit(make_train_step(gd, t_gd, tx, settings, schedule), donate_argnums=(0,))
     state = {"params": params, "frozen": frozen, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -79,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per stage (after one warm-up)")
     ap.add_argument("--loss-chunk", type=int, default=512, help="token chunk of the KL / CE loops")
     ap.add_argument("--quick", action="store_true", help="smoke settings: 2 layers, vocab 1024, seq 64, 1 step")
+    ap.add_argument("--remat", choices=["off", "on", "both"], default="off",
+                    help="per-layer rematerialisation (the stage config's remat); both: each stage without and with")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     cfg = SHAPES["smollm2"]
@@ -92,9 +94,13 @@ def main(argv=None):
     student = build_student(teacher, head_map, HybridConfig(attention_implementation="xla",
                                                             gdn_implementation="xla"), rngs=nnx.Rngs(1))
     rows, tps = [], {}
-    for (label, kind, _), seq, batch in zip(STAGES, seqs, args.batch):
+    remats = {"off": (False,), "on": (True,), "both": (False, True)}[args.remat]
+    runs = [(label + (" (remat)" if remat else ""), kind, seq, batch, remat)
+            for (label, kind, _), seq, batch in zip(STAGES, seqs, args.batch) for remat in remats]
+    for label, kind, seq, batch, remat in runs:
         t0 = time.perf_counter()
-        exe, state, teacher_state, data, nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk)
+        exe, state, teacher_state, data, nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk,
+                                                             remat)
         compile_s = time.perf_counter() - t0
         times = []
         for i in range(1 + args.steps):
@@ -104,16 +110,18 @@ def main(argv=None):
             if i:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        tps[kind] = batch * seq / med
-        rows.append([label, seq, batch, C.fmt_s(med), f"{tps[kind]:,.0f}", C.fmt_bytes(nbytes), f"{compile_s:.0f} s",
+        key = kind + (":remat" if remat else "")
+        tps[key] = batch * seq / med
+        rows.append([label, seq, batch, C.fmt_s(med), f"{tps[key]:,.0f}", C.fmt_bytes(nbytes), f"{compile_s:.0f} s",
                      f"{float(metrics['loss']):.3f}"])
-        print(f"  {label}: seq {seq} batch {batch}: {C.fmt_s(med)}/step, {tps[kind]:,.0f} tokens/s", flush=True)
+        print(f"  {label}: seq {seq} batch {batch}: {C.fmt_s(med)}/step, {tps[key]:,.0f} tokens/s, "
+              f"{C.fmt_bytes(nbytes)}", flush=True)
         del state
     table = C.markdown_table(["stage", "seq", "batch", "step time", "tokens/s", "compiled memory",
                               "compile", "loss (random weights)"], rows)
     settings = (f"{cfg.name}, random weights, HydraHead 7:1 global map ({head_map.num_fa_groups()} FA groups), "
                 f"fp32, AdamW, seq lens from {source}, {args.steps} timed steps (median, 1 warm-up), "
-                f"loss chunk {args.loss_chunk}, one device")
+                f"loss chunk {args.loss_chunk}, remat {args.remat}, one device")
     C.append_results("Training step throughput per stage (bench_train_step.py)", table + "\n", settings=settings,
                      record=not args.no_record)
     return tps

@@ -59,11 +59,12 @@ def test_decode_quick(capsys):
 
 def test_train_step_quick(capsys):
     import bench_train_step
-    tps = bench_train_step.main(["--quick"])
+    tps = bench_train_step.main(["--quick", "--remat", "both"])
     out = capsys.readouterr().out
     rows = _table_rows(out, "stage")
-    assert [r[0] for r in rows] == ["stage 1 align", "stage 2 distil", "stage 3 long"]
-    assert set(tps) == {"align", "distil", "long"} and all(v > 0 for v in tps.values())
+    assert [r[0] for r in rows] == [f"stage {s}{r}" for s in ("1 align", "2 distil", "3 long") for r in ("", " (remat)")]
+    assert set(tps) == {f"{k}{r}" for k in ("align", "distil", "long") for r in ("", ":remat")}
+    assert all(v > 0 for v in tps.values())
 
 
 def test_gated_delta_quick_via_run_all():

@@ -43,9 +43,15 @@ class Block(nnx.Module):
         return h, cache
 
 
-@nnx.remat
-def _remat_layer(layer: Block, h: jax.Array, positions: jax.Array) -> jax.Array:
-    return layer(h, positions)[0]
+def remat_call(module: nnx.Module, *args):
+    """``module(*args)``, rematerialised in the backward pass: ``jax.checkpoint`` over a pure function of the
+    module's state, so only ``args`` and the state are kept for the backward, not the module's intermediates.
+
+    Functional on purpose: inside a train step the module is merged from differentiated and frozen states that
+    live at different trace levels, which ``nnx.remat``'s graph updates refuse (TraceContextError).
+    """
+    graphdef, state = nnx.split(module)
+    return jax.checkpoint(lambda state, *args: nnx.merge(graphdef, state)(*args))(state, *args)
 
 
 class Transformer(nnx.Module):
@@ -74,7 +80,7 @@ class Transformer(nnx.Module):
 
         With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
         index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
-        ``remat`` (training): each layer is rematerialised in the backward pass (``nnx.remat``), so only the layer
+        ``remat`` (training): each layer is rematerialised in the backward pass (`remat_call`), so only the layer
         inputs [B,T,d] are kept between forward and backward instead of every layer's intermediates.
         """
         if remat and (cache is not None or intermediates is not None):
@@ -89,7 +95,7 @@ class Transformer(nnx.Module):
         new_layers = []
         for i, layer in enumerate(self.layers):
             if remat:
-                h = _remat_layer(layer, h, positions)
+                h, _ = remat_call(layer, h, positions)
                 continue
             layer_cache = None if cache is None else cache["layers"][i]
             h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hydrahead_jax.models.transformer import remat_call
 from hydrahead_jax.training import losses
 
 STAGE_KINDS = ("align", "distil", "long")
@@ -47,11 +48,6 @@ def _positions(ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-@nnx.remat
-def _remat_attention(attn: nnx.Module, x: jax.Array, positions: jax.Array):
-    return attn(x, positions)
-
-
 def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array],
                  settings: LossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scalar loss and metrics of one batch for the stage ``settings.kind``."""
@@ -64,7 +60,7 @@ def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[st
         t_out = [jax.lax.stop_gradient(y) for y in inter["attn_outputs"]]
         attns = [layer.self_attn for layer in student.layers]
         if settings.remat:
-            attns = [functools.partial(_remat_attention, attn) for attn in attns]
+            attns = [functools.partial(remat_call, attn) for attn in attns]
         total, per_layer = losses.align_loss(attns, t_in, t_out, positions, mask)
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
