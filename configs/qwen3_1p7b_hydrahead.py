@@ -34,10 +34,13 @@ def get_config(arg: str | None = None):
     c.stage1 = stage(tokens=B // 2, seq_len=512, batch_size=256, lr=1e-3, warmup_steps=200, end_lr_ratio=0.01,
                      train="new", checkpoint_every=500, keep_checkpoints=3, loss_chunk=1024)
     c.stage2 = stage(tokens=9 * B // 2, seq_len=2048, batch_size=256, lr=1e-4, warmup_steps=500,
-                     end_lr_ratio=0.1, train="all", checkpoint_every=1000, keep_checkpoints=3, loss_chunk=1024)
+                     end_lr_ratio=0.1, train="all", checkpoint_every=1000, keep_checkpoints=3, loss_chunk=1024,
+                     remat=True)
+    # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
+    # bound the batch that fits (one Qwen3 HydraHead layer's fwd+bwd at 32K compiles to 13 GiB, bench/RESULTS.md).
     c.stage3 = stage(tokens=10 * B, seq_len=16384, batch_size=32, lr=1e-5, warmup_steps=200, end_lr_ratio=1.0,
                      train="all", ce_weight=1.0, kl_weight=0.1, synthetic_rate=0.1, checkpoint_every=500,
-                     keep_checkpoints=3, loss_chunk=2048)
+                     keep_checkpoints=3, loss_chunk=2048, remat=True)
     if arg == "25pct":
         pass
     elif arg == "7to1":

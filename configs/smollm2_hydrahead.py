@@ -3,8 +3,8 @@
 
 Budget (2 cores, f32): stage 0 probes; stage 1 100 × 4 × 256 tokens (new parameters only); stage 2 40 × 2 × 512
 tokens with the teacher's logits; stage 3 20 × 1 × 1024 tokens with 25 % synthetic retrieval rows. Measured on
-the idle 2-core box: 16.5 min for `make demo` in all (select 1, stage 1 4, stage 2 6, stage 3 3, eval 2.3 min;
-peak RSS 17 GB). These are demonstration budgets (every stage's loss visibly falls), not a
+the idle 2-core box: 15.4 min for `make demo` in all (select 1, stage 1 3.4, stage 2 5.7, stage 3 2.8, eval 2.0 min;
+peak RSS 13.0 GB). These are demonstration budgets (every stage's loss visibly falls), not a
 converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
@@ -22,10 +22,12 @@ def get_config(arg: str | None = None):
     c.selection.allocation = "global"
     c.stage1 = stage(steps=100, seq_len=256, batch_size=4, lr=1e-3, warmup_steps=8, end_lr_ratio=0.1, train="new",
                      checkpoint_every=25, loss_chunk=256)
+    # remat in stages 2-3: on this CPU it more than halves the compiled step (7.0 → 3.2 GiB for stage 2) and is no
+    # slower (bench/bench_train_step.py --remat both).
     c.stage2 = stage(steps=40, seq_len=512, batch_size=2, lr=2e-4, warmup_steps=4, end_lr_ratio=0.1, train="all",
-                     checkpoint_every=20, loss_chunk=256)
+                     checkpoint_every=20, loss_chunk=256, remat=True)
     c.stage3 = stage(steps=20, seq_len=1024, batch_size=1, lr=5e-5, warmup_steps=2, end_lr_ratio=0.2, train="all",
-                     ce_weight=1.0, synthetic_rate=0.25, checkpoint_every=10, loss_chunk=256)
+                     ce_weight=1.0, synthetic_rate=0.25, checkpoint_every=10, loss_chunk=256, remat=True)
     _variant(c, arg or "")
     return c
 
