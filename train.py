@@ -71,11 +71,12 @@ def main(argv):
     import os
 
     import jax
+
+    from hydrahead_jax.data.corpus import cache_dir
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes, reuses
         # compiled steps instead of paying minutes of XLA compilation again.
-        cache = os.path.join(os.environ.get("HYDRAHEAD_CACHE", os.path.expanduser("~/.cache/hydrahead_jax")), "xla")
-        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if config.distributed:
         jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh

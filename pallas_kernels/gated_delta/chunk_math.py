@@ -53,8 +53,8 @@ _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST  # the decay/state math is specified in fp32; no TF32/bf16 passes
 
 
-def _mm(spec, a, b):
-    return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=_F32)
+def _mm(spec, a, b, prec=_HI):
+    return jnp.einsum(spec, a, b, precision=prec, preferred_element_type=_F32)
 
 
 # ------------------------------------------------------------------------------------ 1. WY prologue (XLA)

@@ -23,12 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk_math
+from .chunk_math import _mm
 
 _F32 = jnp.float32
-
-
-def _mm(spec, a, b, prec):
-    return jnp.einsum(spec, a, b, precision=prec, preferred_element_type=_F32)
 
 
 def _chunked(x, C):
