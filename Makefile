@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 WORKDIR ?= runs/smollm2_demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-dev bench gpu-check clean-venv
+.PHONY: demo test lint format install install-dev bench gpu-check clean-venv
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; see the message above." >&2; exit 1; }
@@ -39,8 +39,17 @@ demo: $(VENV)/.installed
 	@echo "Done. Head map: $(WORKDIR)/head_map.json (heatmap: $(WORKDIR)/selection/head_scores.png)   model: $(WORKDIR)/final/"
 	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tensorboard)   evaluation: $(WORKDIR)/eval/report.md"
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev lint
 	$(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# Lint and format check (pyproject.toml); `make format` rewrites the tree in the house style.
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: $(VENV)/.installed-dev
 	$(PY) bench/run_all.py

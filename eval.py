@@ -6,6 +6,7 @@
 
 Writes results.json, report.md and PNG plots under --out. See hydrahead_jax/evaluation/ for the details.
 """
+
 import sys
 
 from hydrahead_jax.evaluation.cli import main

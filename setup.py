@@ -1,4 +1,5 @@
 """hydrahead-jax: head-level hybrid softmax / linear attention for long-context LLMs, in JAX."""
+
 from setuptools import find_packages, setup
 
 CORE = [
@@ -24,7 +25,9 @@ setup(
     name="hydrahead-jax",
     version="0.1.0",
     description=__doc__,
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else __doc__,
+    long_description=open("README.md", encoding="utf-8").read()
+    if __import__("os").path.exists("README.md")
+    else __doc__,
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12",
@@ -33,7 +36,15 @@ setup(
     install_requires=CORE,
     extras_require={
         # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0 per DESIGN.md §7).
-        "dev": ["pytest", "pytest-xdist", "hypothesis", "torch==2.13.0", "transformers>=5.0", "accelerate"],
+        "dev": [
+            "pytest",
+            "pytest-xdist",
+            "hypothesis",
+            "torch==2.13.0",
+            "transformers>=5.0",
+            "accelerate",
+            "ruff>=0.15",
+        ],
         "gpu": ["jax[cuda12]>=0.11.2"],
         "tpu": ["jax[tpu]>=0.11.2"],
     },

@@ -7,20 +7,24 @@
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
 checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new.
 """
+
 import importlib.util
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training recipe (a configs/*.py file).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training recipe (a configs/*.py file).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, head map, final model).")
 _STAGES = ("select", "align", "distil", "long")
 _ONLY = flags.DEFINE_enum("only_stage", None, _STAGES, "Run only this stage (earlier ones must have finished).")
 _UNTIL = flags.DEFINE_enum("until_stage", None, _STAGES, "Run the stages up to and including this one.")
-_FORCE_NEW = flags.DEFINE_bool("force_new", False, "Start over in a workdir that holds a run of another config "
-                               "(the old run is moved aside to WORKDIR.replaced-<time>).")
+_FORCE_NEW = flags.DEFINE_bool(
+    "force_new",
+    False,
+    "Start over in a workdir that holds a run of another config "
+    "(the old run is moved aside to WORKDIR.replaced-<time>).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -39,13 +43,14 @@ def _unknown_override(argv) -> str | None:
     for a in argv:
         if not a.startswith("--config."):
             continue
-        node, keys = config, a[len("--config."):].split("=", 1)[0].split(".")
+        node, keys = config, a[len("--config.") :].split("=", 1)[0].split(".")
         for depth, key in enumerate(keys):
             if not hasattr(node, "keys") or key not in node:
                 where = ".".join(["config"] + keys[:depth])
                 valid = sorted(node.keys()) if hasattr(node, "keys") else []
-                return (f"unknown config key {'.'.join(keys)!r} in {a!r}: {where} has no field {key!r}"
-                        + (f"; its fields are {valid}." if valid else "."))
+                return f"unknown config key {'.'.join(keys)!r} in {a!r}: {where} has no field {key!r}" + (
+                    f"; its fields are {valid}." if valid else "."
+                )
             node = node[key]
     return None
 
@@ -73,6 +78,7 @@ def main(argv):
     import jax
 
     from hydrahead_jax.data.corpus import cache_dir
+
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes, reuses
         # compiled steps instead of paying minutes of XLA compilation again.
@@ -82,9 +88,11 @@ def main(argv):
         jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh
     from hydrahead_jax.training.errors import USER_ERRORS
     from hydrahead_jax.training.pipeline import run_pipeline
+
     try:
-        run_pipeline(config, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value,
-                     force_new=_FORCE_NEW.value)
+        run_pipeline(
+            config, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value
+        )
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

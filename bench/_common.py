@@ -9,6 +9,7 @@ Memory protocol: ``compiled_bytes`` = argument + output + temp bytes of XLA's ``
 compiled executable. It is deterministic (no sampling, no allocator noise) and needs only compilation, so it is
 reported even where running the variant would take too long or not fit.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,12 +18,12 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-MiB = 1024 ** 2
-GiB = 1024 ** 3
+MiB = 1024**2
+GiB = 1024**3
 
 
 # ---------------------------------------------------------------------------------------------- machine info
@@ -46,6 +47,7 @@ def load_average() -> str:
 def versions() -> str:
     import jax
     import jaxlib
+
     parts = [f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}"]
     if "torch" in sys.modules:
         parts.append(f"torch {sys.modules['torch'].__version__}")
@@ -55,19 +57,24 @@ def versions() -> str:
 def machine_line() -> str:
     """One line: CPU model and cores, JAX backend/devices, versions, date, load average (1/5/15 min)."""
     import jax
+
     dev = jax.devices()[0]
-    return (f"{cpu_model()}, {os.cpu_count()} cores; backend {dev.platform} ({dev.device_kind}); {versions()}; "
-            f"{datetime.datetime.now().isoformat(timespec='minutes')}; load avg {load_average()}")
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores; backend {dev.platform} ({dev.device_kind}); {versions()}; "
+        f"{datetime.datetime.now().isoformat(timespec='minutes')}; load avg {load_average()}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- measuring
 def block(x):
     import jax
+
     return jax.block_until_ready(x)
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, *, warmup: bool = True,
-                     budget_s: float | None = None) -> dict[str, float]:
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, *, warmup: bool = True, budget_s: float | None = None
+) -> dict[str, float]:
     """Median wall seconds per call of each zero-argument function, rounds interleaved (see module doc).
 
     Each function must return something ``jax.block_until_ready`` accepts (its result is waited for).
@@ -96,19 +103,26 @@ def compiled_bytes(jitted, *args) -> int:
     Aliased (donated) outputs are not counted twice.
     """
     ma = jitted.lower(*args).compile().memory_analysis()
-    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-               - getattr(ma, "alias_size_in_bytes", 0))
+    return int(
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        + ma.temp_size_in_bytes
+        - getattr(ma, "alias_size_in_bytes", 0)
+    )
 
 
 def tree_bytes(tree) -> int:
     import jax
+
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
 def is_oom(err: BaseException) -> bool:
     text = f"{type(err).__name__}: {err}".lower()
-    return any(s in text for s in ("resource_exhausted", "out of memory", "oom", "memoryerror",
-                                   "failed to allocate", "bad_alloc"))
+    return any(
+        s in text
+        for s in ("resource_exhausted", "out of memory", "oom", "memoryerror", "failed to allocate", "bad_alloc")
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -153,7 +167,7 @@ def goal_line(name: str, value: float | None, target: float, *, unit: str = "x",
 
 def append_results(title: str, body: str, *, settings: str, record: bool = True) -> None:
     """Print the section and append it (with machine, versions, date, load and settings) to bench/RESULTS.md."""
-    section = (f"\n## {title}\n\n- machine: {machine_line()}\n- settings: {settings}\n\n{body.rstrip()}\n")
+    section = f"\n## {title}\n\n- machine: {machine_line()}\n- settings: {settings}\n\n{body.rstrip()}\n"
     print(section)
     if not record:
         return

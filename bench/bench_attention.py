@@ -27,10 +27,10 @@ Every ratio is teacher / variant (> 1: the variant is faster / smaller) from num
 A T whose predicted time (quadratic extrapolation from the last measured T) exceeds --max-call-s is not timed
 (reported as skipped with that reason); its memory is still reported. An OOM is caught and reported.
 """
+
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -38,25 +38,47 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import _common as C  # noqa: E402
 from hydrahead_jax.config import ModelConfig  # noqa: E402
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, fa_budget  # noqa: E402
 from hydrahead_jax.models.attention import Attention  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M: 30 layers, d 576, 9 q / 3 kv heads, head_dim 64 (DESIGN §7).
-    "smollm2": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                           num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5,
-                           tie_word_embeddings=True, name="SmolLM2-135M shapes"),
+    "smollm2": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=1e5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        name="SmolLM2-135M shapes",
+    ),
     # Qwen3-1.7B: 28 layers, d 2048, 16 q / 8 kv heads, head_dim 128, q/k RMSNorm.
-    "qwen3": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                         num_kv_heads=8, head_dim=128, architecture="qwen3", qk_norm=True, rope_theta=1e6,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, name="Qwen3-1.7B shapes"),
+    "qwen3": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        architecture="qwen3",
+        qk_norm=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        name="Qwen3-1.7B shapes",
+    ),
 }
 BLOCKS = ("teacher", "1-FA", "all-LA", "xla-dense")
 VARIANTS = ("teacher", "HydraHead 7:1", "layer-wise 3:1", "layer-wise 7:1", "xla-dense")
@@ -132,8 +154,18 @@ def _available_bytes():
     return None
 
 
-def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_call_s: float, dense_time_max: int,
-              time_max_seq: int = 1 << 30, log=print):
+def run_shape(
+    name: str,
+    cfg: ModelConfig,
+    seqs,
+    modes,
+    *,
+    repeats: int,
+    max_call_s: float,
+    dense_time_max: int,
+    time_max_seq: int = 1 << 30,
+    log=print,
+):
     """results[mode][T] = {"time": {block: s | None}, "mem": {block: bytes | None}, "note": {block: str}}."""
     blocks = {k: make_block(cfg, k) for k in BLOCKS}
     results = {m: {} for m in modes}
@@ -159,8 +191,7 @@ def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_cal
                 if avail is not None and res["mem"][k] > 0.85 * avail:
                     # A kernel OOM kill cannot be caught: do not run what would not fit. Blocks run one at a time
                     # (compiled executables hold no buffers), so only the one running needs to fit.
-                    res["note"][k] = (f"not run: needs {C.fmt_bytes(res['mem'][k])}, "
-                                      f"{C.fmt_bytes(avail)} available")
+                    res["note"][k] = f"not run: needs {C.fmt_bytes(res['mem'][k])}, {C.fmt_bytes(avail)} available"
                     continue
                 if T > time_max_seq:
                     res["note"][k] = f"memory only (T > --time-max-seq {time_max_seq})"
@@ -177,7 +208,7 @@ def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_cal
                     if predicted > limit:
                         res["note"][k] = f"not timed: predicted {predicted:.0f} s > {limit:g} s"
                         continue
-                timed[k] = (lambda exe=exe, a=args_of[k]: exe(*a))
+                timed[k] = lambda exe=exe, a=args_of[k]: exe(*a)
             try:
                 # One warm-up round; calls of several seconds are then timed once more only, short ones `repeats` times.
                 t_first = {}
@@ -199,8 +230,10 @@ def run_shape(name: str, cfg: ModelConfig, seqs, modes, *, repeats: int, max_cal
                 if k in times:
                     last[k] = (T, times[k])
             results[mode][T] = res
-            log(f"  [{name} {mode} T={T}] " + ", ".join(
-                f"{k}: {C.fmt_s(res['time'][k])} / {C.fmt_bytes(res['mem'][k])}" for k in blocks))
+            log(
+                f"  [{name} {mode} T={T}] "
+                + ", ".join(f"{k}: {C.fmt_s(res['time'][k])} / {C.fmt_bytes(res['mem'][k])}" for k in blocks)
+            )
             del compiled
     return results
 
@@ -227,35 +260,59 @@ def tables(name, cfg, results, weights):
         for T, res in per_t.items():
             tv, mv = combine(res, weights)
             summary[(mode, T)] = (tv, mv)
-            rows_t.append([T] + [C.fmt_s(tv["teacher"])] + [
-                f"{C.fmt_s(tv[v])} ({C.fmt_ratio(ratio(tv['teacher'], tv[v]))})" for v in VARIANTS[1:]])
-            rows_m.append([T] + [C.fmt_bytes(mv["teacher"])] + [
-                f"{C.fmt_bytes(mv[v])} ({C.fmt_ratio(ratio(mv['teacher'], mv[v]))})" for v in VARIANTS[1:4]] + [
-                f"{C.fmt_bytes(mv['xla-dense'])} ({C.fmt_ratio(ratio(mv['xla-dense'], mv['HydraHead 7:1']))})"])
+            rows_t.append(
+                [T]
+                + [C.fmt_s(tv["teacher"])]
+                + [f"{C.fmt_s(tv[v])} ({C.fmt_ratio(ratio(tv['teacher'], tv[v]))})" for v in VARIANTS[1:]]
+            )
+            rows_m.append(
+                [T]
+                + [C.fmt_bytes(mv["teacher"])]
+                + [f"{C.fmt_bytes(mv[v])} ({C.fmt_ratio(ratio(mv['teacher'], mv[v]))})" for v in VARIANTS[1:4]]
+                + [f"{C.fmt_bytes(mv['xla-dense'])} ({C.fmt_ratio(ratio(mv['xla-dense'], mv['HydraHead 7:1']))})"]
+            )
             notes = "; ".join(f"{k}: {n}" for k, n in res["note"].items())
             if notes:
                 rows_t[-1].append(notes)
             else:
                 rows_t[-1].append("")
-        out.append(f"**{cfg.name}, one block, {label}: time per layer (teacher / variant in parentheses)**\n\n"
-                   + C.markdown_table(["T", "teacher (blockwise FA)"] + [f"{v}" for v in VARIANTS[1:]] + ["notes"],
-                                      rows_t))
-        out.append(f"**{cfg.name}, one block, {label}: compiled memory per layer (teacher / variant; last column: "
-                   "xla-dense and dense / HydraHead 7:1)**\n\n"
-                   + C.markdown_table(["T", "teacher (blockwise FA)", "HydraHead 7:1", "layer-wise 3:1",
-                                       "layer-wise 7:1", "xla-dense (dense / HydraHead)"], rows_m))
+        out.append(
+            f"**{cfg.name}, one block, {label}: time per layer (teacher / variant in parentheses)**\n\n"
+            + C.markdown_table(["T", "teacher (blockwise FA)"] + [f"{v}" for v in VARIANTS[1:]] + ["notes"], rows_t)
+        )
+        out.append(
+            f"**{cfg.name}, one block, {label}: compiled memory per layer (teacher / variant; last column: "
+            "xla-dense and dense / HydraHead 7:1)**\n\n"
+            + C.markdown_table(
+                [
+                    "T",
+                    "teacher (blockwise FA)",
+                    "HydraHead 7:1",
+                    "layer-wise 3:1",
+                    "layer-wise 7:1",
+                    "xla-dense (dense / HydraHead)",
+                ],
+                rows_m,
+            )
+        )
     return "\n\n".join(out), summary
 
 
 def plot(all_results, path: Path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(all_results)
     fig, axes = plt.subplots(len(names), 2, figsize=(12, 4.6 * len(names)), squeeze=False)
-    styles = {"teacher": "k-o", "HydraHead 7:1": "C3-s", "layer-wise 3:1": "C0-^", "layer-wise 7:1": "C2-v",
-              "xla-dense": "C7--x"}
+    styles = {
+        "teacher": "k-o",
+        "HydraHead 7:1": "C3-s",
+        "layer-wise 3:1": "C0-^",
+        "layer-wise 7:1": "C2-v",
+        "xla-dense": "C7--x",
+    }
     for row, name in enumerate(names):
         cfg, summary = all_results[name]
         mode = "fwdbwd" if any(m == "fwdbwd" for m, _ in summary) else "fwd"
@@ -287,28 +344,46 @@ def plot(all_results, path: Path):
 
 def goals(all_results) -> list[str]:
     lines = []
-    for name, (cfg, summary) in all_results.items():
+    for cfg, summary in all_results.values():
         s = summary.get(("fwdbwd", 8192))
         if s is None:
             lines.append(f"goal not measured: {cfg.name} HydraHead 7:1 fwd+bwd at T=8K (T=8192 not in this run)")
         else:
             tv, mv = s
-            why = ("Amdahl: the q/k/v/o projections (and the GDN heads' own work) are the same or larger in the "
-                   "hybrid, only the FA share of the quadratic work shrinks; see RESULTS.md notes")
-            lines.append(C.goal_line(f"{cfg.name} HydraHead 7:1 block fwd+bwd T=8K speed vs teacher (blockwise FA)",
-                                     ratio(tv["teacher"], tv["HydraHead 7:1"]), 4, why_missed=why))
-            lines.append(C.goal_line(
-                f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs teacher (blockwise FA)",
-                ratio(mv["teacher"], mv["HydraHead 7:1"]), 4,
-                why_missed="both are O(T) with a blockwise teacher (DESIGN §11); the memory win is against "
-                           "materialising attention and in the decode cache"))
-            lines.append(C.goal_line(
-                f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs XLA materialising attention",
-                ratio(mv["xla-dense"], mv["HydraHead 7:1"]), 4))
+            why = (
+                "Amdahl: the q/k/v/o projections (and the GDN heads' own work) are the same or larger in the "
+                "hybrid, only the FA share of the quadratic work shrinks; see RESULTS.md notes"
+            )
+            lines.append(
+                C.goal_line(
+                    f"{cfg.name} HydraHead 7:1 block fwd+bwd T=8K speed vs teacher (blockwise FA)",
+                    ratio(tv["teacher"], tv["HydraHead 7:1"]),
+                    4,
+                    why_missed=why,
+                )
+            )
+            lines.append(
+                C.goal_line(
+                    f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs teacher (blockwise FA)",
+                    ratio(mv["teacher"], mv["HydraHead 7:1"]),
+                    4,
+                    why_missed="both are O(T) with a blockwise teacher (DESIGN §11); the memory win is against "
+                    "materialising attention and in the decode cache",
+                )
+            )
+            lines.append(
+                C.goal_line(
+                    f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs XLA materialising attention",
+                    ratio(mv["xla-dense"], mv["HydraHead 7:1"]),
+                    4,
+                )
+            )
         s32 = summary.get(("fwdbwd", 32768))
         runs = s32 is not None and s32[0]["HydraHead 7:1"] is not None
-        lines.append(f"goal {'met' if runs else 'not met/not measured'}: {cfg.name} HydraHead 7:1 fwd+bwd runs "
-                     f"at T=32K" + (f" ({C.fmt_s(s32[0]['HydraHead 7:1'])} per layer)" if runs else ""))
+        lines.append(
+            f"goal {'met' if runs else 'not met/not measured'}: {cfg.name} HydraHead 7:1 fwd+bwd runs "
+            f"at T=32K" + (f" ({C.fmt_s(s32[0]['HydraHead 7:1'])} per layer)" if runs else "")
+        )
     return lines
 
 
@@ -318,13 +393,20 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--modes", nargs="+", default=["fwdbwd", "fwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds for calls under 2 s")
-    ap.add_argument("--max-call-s", type=float, default=90.0,
-                    help="do not time a block whose predicted single-call time exceeds this")
+    ap.add_argument(
+        "--max-call-s",
+        type=float,
+        default=90.0,
+        help="do not time a block whose predicted single-call time exceeds this",
+    )
     ap.add_argument("--time-max-seq", type=int, default=32768, help="above this T report memory only")
     ap.add_argument("--dense-time-max", type=int, default=4096, help="largest T at which xla-dense is timed")
     ap.add_argument("--plot", default=str(Path(__file__).with_name("scaling.png")))
-    ap.add_argument("--quick", action="store_true", help="smoke settings: SmolLM2 shapes, T 256, fwd+bwd, "
-                                                         "1 repeat, no plot, nothing recorded")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke settings: SmolLM2 shapes, T 256, fwd+bwd, 1 repeat, no plot, nothing recorded",
+    )
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
@@ -336,10 +418,17 @@ def main(argv=None):
         cfg = SHAPES[name]
         weights = stack_weights(cfg)
         print(f"{cfg.name}: stack weights per variant {weights}", flush=True)
-        results = run_shape(name, cfg, sorted(args.seq), args.modes, repeats=args.repeats,
-                            max_call_s=args.max_call_s, dense_time_max=args.dense_time_max,
-                            time_max_seq=args.time_max_seq,
-                            log=lambda s: print(s, flush=True))
+        results = run_shape(
+            name,
+            cfg,
+            sorted(args.seq),
+            args.modes,
+            repeats=args.repeats,
+            max_call_s=args.max_call_s,
+            dense_time_max=args.dense_time_max,
+            time_max_seq=args.time_max_seq,
+            log=lambda s: print(s, flush=True),
+        )
         body, summary = tables(name, cfg, results, weights)
         all_results[name] = (cfg, summary)
         bodies.append(body)
@@ -348,11 +437,17 @@ def main(argv=None):
         plot(all_results, Path(args.plot))
         print(f"plot written to {args.plot}")
     body = "\n\n".join(bodies) + "\n\n" + "\n".join(f"- {g}" for g in goal_lines) + "\n"
-    settings = (f"batch 1, fp32, shapes {args.shapes}, T {sorted(args.seq)}, modes {args.modes}, repeats "
-                f"{args.repeats} (median, interleaved), --max-call-s {args.max_call_s:g}, timed up to T={args.time_max_seq}, xla-dense timed up to "
-                f"T={args.dense_time_max}; random weights; JAX threads = all {jax.devices()[0].platform} cores")
-    C.append_results("Attention block: teacher vs HydraHead 7:1 vs layer-wise (bench_attention.py)", body,
-                     settings=settings, record=not args.no_record)
+    settings = (
+        f"batch 1, fp32, shapes {args.shapes}, T {sorted(args.seq)}, modes {args.modes}, repeats "
+        f"{args.repeats} (median, interleaved), --max-call-s {args.max_call_s:g}, timed up to T={args.time_max_seq}, xla-dense timed up to "
+        f"T={args.dense_time_max}; random weights; JAX threads = all {jax.devices()[0].platform} cores"
+    )
+    C.append_results(
+        "Attention block: teacher vs HydraHead 7:1 vs layer-wise (bench_attention.py)",
+        body,
+        settings=settings,
+        record=not args.no_record,
+    )
     for g in goal_lines:
         print(g)
     return all_results

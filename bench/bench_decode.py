@@ -17,6 +17,7 @@ Latency: median over ``--steps`` tokens, teacher and HydraHead steps interleaved
 Cache memory: ``cache_bytes`` (the analytic formula in hydrahead_jax/hybrid/cache.py) and the bytes of the
 actual cache pytree ``model.init_cache(1, context)`` allocates (they agree; the pytree adds the int32 index).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from bench_attention import SHAPES  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import _common as C  # noqa: E402
-from bench_attention import SHAPES  # noqa: E402
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, cache_bytes, fa_budget  # noqa: E402
 from hydrahead_jax.models import Transformer  # noqa: E402
 from hydrahead_jax.models.generate import _decode_step  # noqa: E402
@@ -44,8 +44,13 @@ def hydrahead_map(cfg) -> HeadMap:
     """7:1 global map: n FA groups (group 0) in n evenly spaced layers, ending at the last layer."""
     n = fa_budget(cfg, "7:1", "global")
     layers = {int(round(cfg.num_layers - 1 - j * cfg.num_layers / n)) for j in range(n)}
-    return HeadMap.from_fa_groups(cfg, [[0] if i in layers else [] for i in range(cfg.num_layers)],
-                                  method="benchmark", target_ratio="7:1", allocation="global")
+    return HeadMap.from_fa_groups(
+        cfg,
+        [[0] if i in layers else [] for i in range(cfg.num_layers)],
+        method="benchmark",
+        target_ratio="7:1",
+        allocation="global",
+    )
 
 
 def filled_cache(model, context: int, capacity: int, seed: int):
@@ -80,11 +85,16 @@ def main(argv=None):
 
     head_map = hydrahead_map(cfg)
     hc = HybridConfig(attention_implementation="xla", gdn_implementation="xla")
-    models = {"teacher": Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla"),
-              "HydraHead 7:1": build_model(cfg, head_map, hc, nnx.Rngs(0))}
+    models = {
+        "teacher": Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla"),
+        "HydraHead 7:1": build_model(cfg, head_map, hc, nnx.Rngs(0)),
+    }
     split = {name: nnx.split(m) for name, m in models.items()}
-    print(f"HydraHead head map: {head_map.num_fa_groups()} FA groups of {cfg.num_layers * cfg.num_kv_heads}, "
-          f"layers {[i for i, g in enumerate(head_map.fa_groups) if g]}", flush=True)
+    print(
+        f"HydraHead head map: {head_map.num_fa_groups()} FA groups of {cfg.num_layers * cfg.num_kv_heads}, "
+        f"layers {[i for i, g in enumerate(head_map.fa_groups) if g]}",
+        flush=True,
+    )
 
     rows, per_token = [], {}
     warm = 2
@@ -93,7 +103,7 @@ def main(argv=None):
         for i, (name, m) in enumerate(models.items()):
             caches[name] = filled_cache(m, ctx, ctx + warm + args.steps, seed=i)
             analytic = cache_bytes(m, context_len=ctx)["total_bytes"]
-            actual = C.tree_bytes(jax.eval_shape(lambda m=m: m.init_cache(1, ctx)))
+            actual = C.tree_bytes(jax.eval_shape(lambda m=m, ctx=ctx: m.init_cache(1, ctx)))
             mem[name] = (analytic, actual)
         token = jnp.zeros((1,), jnp.int32)
         samples = {name: [] for name in models}
@@ -110,26 +120,63 @@ def main(argv=None):
         per_token[ctx] = med
         t_t, t_h = med["teacher"], med["HydraHead 7:1"]
         (a_t, r_t), (a_h, r_h) = mem["teacher"], mem["HydraHead 7:1"]
-        rows.append([ctx, C.fmt_s(t_t), C.fmt_s(t_h), C.fmt_ratio(t_t / t_h), C.fmt_bytes(a_t), C.fmt_bytes(r_t),
-                     C.fmt_bytes(a_h), C.fmt_bytes(r_h), C.fmt_ratio(a_t / a_h)])
-        print(f"  context {ctx}: teacher {C.fmt_s(t_t)}/token, HydraHead {C.fmt_s(t_h)}/token "
-              f"({t_t / t_h:.2f}x); cache {C.fmt_bytes(a_t)} vs {C.fmt_bytes(a_h)}", flush=True)
+        rows.append(
+            [
+                ctx,
+                C.fmt_s(t_t),
+                C.fmt_s(t_h),
+                C.fmt_ratio(t_t / t_h),
+                C.fmt_bytes(a_t),
+                C.fmt_bytes(r_t),
+                C.fmt_bytes(a_h),
+                C.fmt_bytes(r_h),
+                C.fmt_ratio(a_t / a_h),
+            ]
+        )
+        print(
+            f"  context {ctx}: teacher {C.fmt_s(t_t)}/token, HydraHead {C.fmt_s(t_h)}/token "
+            f"({t_t / t_h:.2f}x); cache {C.fmt_bytes(a_t)} vs {C.fmt_bytes(a_h)}",
+            flush=True,
+        )
 
-    table = C.markdown_table(["context", "teacher s/token", "HydraHead 7:1 s/token", "speed-up",
-                              "teacher cache (cache_bytes)", "teacher cache (pytree)", "HydraHead cache (cache_bytes)",
-                              "HydraHead cache (pytree)", "cache ratio"], rows)
+    table = C.markdown_table(
+        [
+            "context",
+            "teacher s/token",
+            "HydraHead 7:1 s/token",
+            "speed-up",
+            "teacher cache (cache_bytes)",
+            "teacher cache (pytree)",
+            "HydraHead cache (cache_bytes)",
+            "HydraHead cache (pytree)",
+            "cache ratio",
+        ],
+        rows,
+    )
     top = max(args.contexts)
-    goal = C.goal_line(f"decode at {top} context, HydraHead 7:1 speed-up per token vs teacher",
-                       per_token[top]["teacher"] / per_token[top]["HydraHead 7:1"], 3,
-                       why_missed="per-token cost also reads all ~135M parameters (0.5 GB fp32) for both models; "
-                                  "only the KV-cache reads shrink") if top >= 32768 else \
-        f"goal not measured: decode at 32K (largest context in this run: {top})"
+    goal = (
+        C.goal_line(
+            f"decode at {top} context, HydraHead 7:1 speed-up per token vs teacher",
+            per_token[top]["teacher"] / per_token[top]["HydraHead 7:1"],
+            3,
+            why_missed="per-token cost also reads all ~135M parameters (0.5 GB fp32) for both models; "
+            "only the KV-cache reads shrink",
+        )
+        if top >= 32768
+        else f"goal not measured: decode at 32K (largest context in this run: {top})"
+    )
     body = table + "\n\n- " + goal + "\n"
-    settings = (f"{cfg.name}, random weights, batch 1, fp32 params and cache, {args.steps} timed tokens per context "
-                "(median, interleaved, 2 warm-up), cache pre-filled with random values; HydraHead: 7:1 global map, "
-                f"{head_map.num_fa_groups()} FA groups")
-    C.append_results("Decode: per-token latency and cache vs context (bench_decode.py)", body, settings=settings,
-                     record=not args.no_record)
+    settings = (
+        f"{cfg.name}, random weights, batch 1, fp32 params and cache, {args.steps} timed tokens per context "
+        "(median, interleaved, 2 warm-up), cache pre-filled with random values; HydraHead: 7:1 global map, "
+        f"{head_map.num_fa_groups()} FA groups"
+    )
+    C.append_results(
+        "Decode: per-token latency and cache vs context (bench_decode.py)",
+        body,
+        settings=settings,
+        record=not args.no_record,
+    )
     print(goal)
     return per_token
 

@@ -13,6 +13,7 @@ q, k, v, g, β (JAX autodiff of the chunked XLA path vs torch autograd). Timing:
 after a warm-up (bench/_common.py). torch uses ``torch.set_num_threads(n)`` with n = the number of cores, the
 thread count of JAX's CPU client.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import _common as C  # noqa: E402
 from pallas_kernels.gated_delta import chunk_gated_delta_rule  # noqa: E402
 
 AGREE_ATOL = 2e-4
@@ -48,12 +49,12 @@ def jax_fns(inputs, chunk: int):
     q, k, v, g, beta, do = map(jnp.asarray, inputs)
 
     def rule(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True,
-                                      chunk_size=chunk, implementation="xla")
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk, implementation="xla"
+        )
 
     fwd = jax.jit(rule)
-    grad = jax.jit(jax.grad(lambda q, k, v, g, beta: jnp.vdot(rule(q, k, v, g, beta)[0], do),
-                            argnums=(0, 1, 2, 3, 4)))
+    grad = jax.jit(jax.grad(lambda q, k, v, g, beta: jnp.vdot(rule(q, k, v, g, beta)[0], do), argnums=(0, 1, 2, 3, 4)))
     args = (q, k, v, g, beta)
     return (lambda: fwd(*args)), (lambda: grad(*args))
 
@@ -85,8 +86,10 @@ def check_agreement(inputs, chunk: int):
     d_o = float(np.max(np.abs(np.asarray(o_j) - o_t.numpy())))
     d_s = float(np.max(np.abs(np.asarray(s_j) - s_t.numpy())))
     if not (d_o <= AGREE_ATOL and d_s <= AGREE_ATOL):
-        raise AssertionError(f"XLA and torch chunked gated delta rules disagree: max |Δo| = {d_o:.3g}, "
-                             f"max |ΔS| = {d_s:.3g} (tolerance {AGREE_ATOL}); timing them would be meaningless.")
+        raise AssertionError(
+            f"XLA and torch chunked gated delta rules disagree: max |Δo| = {d_o:.3g}, "
+            f"max |ΔS| = {d_s:.3g} (tolerance {AGREE_ATOL}); timing them would be meaningless."
+        )
     return d_o, d_s
 
 
@@ -100,8 +103,12 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=120.0, help="fewer repeats when they would take longer")
-    ap.add_argument("--bwd-max-seq", type=int, default=4096,
-                    help="largest T of the fwd+bwd pass (torch autograd of the chunked rule is slow)")
+    ap.add_argument(
+        "--bwd-max-seq",
+        type=int,
+        default=4096,
+        help="largest T of the fwd+bwd pass (torch autograd of the chunked rule is slow)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke settings: T 256, H 2, dim 32, 1 repeat, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
@@ -109,6 +116,7 @@ def main(argv=None):
         args.seq, args.heads, args.dim, args.repeats, args.no_record = [256], 2, 32, 1, True
 
     import torch
+
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
 
@@ -129,24 +137,58 @@ def main(argv=None):
             r = t["torch"] / t["xla"]
             ratios[(mode, T)] = r
             tok = B * T
-            rows.append([T, "forward" if mode == "fwd" else "fwd+bwd", C.fmt_s(t["xla"]), f"{tok / t['xla']:,.0f}",
-                         C.fmt_s(t["torch"]), f"{tok / t['torch']:,.0f}", C.fmt_ratio(r)])
+            rows.append(
+                [
+                    T,
+                    "forward" if mode == "fwd" else "fwd+bwd",
+                    C.fmt_s(t["xla"]),
+                    f"{tok / t['xla']:,.0f}",
+                    C.fmt_s(t["torch"]),
+                    f"{tok / t['torch']:,.0f}",
+                    C.fmt_ratio(r),
+                ]
+            )
             print(f"  T={T} {mode}: xla {C.fmt_s(t['xla'])}, torch {C.fmt_s(t['torch'])}, ratio {r:.2f}x", flush=True)
 
-    table = C.markdown_table(["T", "pass", "XLA chunked (ours)", "XLA tokens/s", "torch chunked (transformers)",
-                              "torch tokens/s", "speed-up (torch time / ours)"], rows)
+    table = C.markdown_table(
+        [
+            "T",
+            "pass",
+            "XLA chunked (ours)",
+            "XLA tokens/s",
+            "torch chunked (transformers)",
+            "torch tokens/s",
+            "speed-up (torch time / ours)",
+        ],
+        rows,
+    )
     goal_lines = []
     for mode in args.modes:
         long = [ratios[(mode, T)] for T in args.seq if T >= 4096 and (mode, T) in ratios]
-        goal_lines.append(C.goal_line(f"gated delta rule {mode} throughput vs torch, min over T >= 4K",
-                                      min(long) if long else None, 1.5,
-                                      why_missed="see the profile notes in RESULTS.md"))
-    body = (table + f"\n\nOutputs checked first: max |Δo| = {d_o:.2e}, max |ΔS| = {d_s:.2e}.\n\n"
-            + "\n".join(f"- {g}" for g in goal_lines) + "\n")
-    settings = (f"B={B}, H={H}, K=V={D}, chunk {args.chunk}, fp32, q/k L2-norm in the rule, repeats {args.repeats} "
-                f"(median, interleaved; fewer when over {args.budget_s:g} s), fwd+bwd up to T={args.bwd_max_seq}; torch.set_num_threads({threads}) = JAX's CPU thread count")
-    C.append_results("Gated delta rule: XLA chunked vs transformers torch chunked (bench_gated_delta.py)", body,
-                     settings=settings, record=not args.no_record)
+        goal_lines.append(
+            C.goal_line(
+                f"gated delta rule {mode} throughput vs torch, min over T >= 4K",
+                min(long) if long else None,
+                1.5,
+                why_missed="see the profile notes in RESULTS.md",
+            )
+        )
+    body = (
+        table
+        + f"\n\nOutputs checked first: max |Δo| = {d_o:.2e}, max |ΔS| = {d_s:.2e}.\n\n"
+        + "\n".join(f"- {g}" for g in goal_lines)
+        + "\n"
+    )
+    settings = (
+        f"B={B}, H={H}, K=V={D}, chunk {args.chunk}, fp32, q/k L2-norm in the rule, repeats {args.repeats} "
+        f"(median, interleaved; fewer when over {args.budget_s:g} s), fwd+bwd up to T={args.bwd_max_seq}; torch.set_num_threads({threads}) = JAX's CPU thread count"
+    )
+    C.append_results(
+        "Gated delta rule: XLA chunked vs transformers torch chunked (bench_gated_delta.py)",
+        body,
+        settings=settings,
+        record=not args.no_record,
+    )
     for g in goal_lines:
         print(g)
     return ratios

@@ -13,6 +13,7 @@ step (stage 1: its hidden states per layer; stage 2: its logits for the KL), sta
 Sequence lengths default to the recipe's (``configs/smollm2_hydrahead.py`` when present, else 512 / 1024 / 2048),
 batch 1 unless given. tokens/s = batch · seq / median step time (after one warm-up step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,19 +26,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import _common as C  # noqa: E402
 from bench_attention import SHAPES  # noqa: E402
 from bench_decode import hydrahead_map  # noqa: E402
+from flax import nnx  # noqa: E402
+
 from hydrahead_jax.hybrid import HybridConfig, build_student, new_param_filter  # noqa: E402
 from hydrahead_jax.models import Transformer  # noqa: E402
 from hydrahead_jax.training.steps import LossSettings, make_optimizer, make_train_step  # noqa: E402
 
-STAGES = (("stage 1 align", "align", "stage1"), ("stage 2 distil", "distil", "stage2"), ("stage 3 long", "long", "stage3"))
+STAGES = (
+    ("stage 1 align", "align", "stage1"),
+    ("stage 2 distil", "distil", "stage2"),
+    ("stage 3 long", "long", "stage3"),
+)
 DEFAULT_SEQ = (512, 1024, 2048)
 
 
@@ -67,8 +72,12 @@ def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int, re
     data = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.ones((batch, seq), jnp.float32)}
     exe = step.lower(state, teacher_state, data).compile()
     ma = exe.memory_analysis()
-    nbytes = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                 - getattr(ma, "alias_size_in_bytes", 0))
+    nbytes = int(
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        + ma.temp_size_in_bytes
+        - getattr(ma, "alias_size_in_bytes", 0)
+    )
     return exe, state, teacher_state, data, nbytes
 
 
@@ -79,8 +88,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per stage (after one warm-up)")
     ap.add_argument("--loss-chunk", type=int, default=512, help="token chunk of the KL / CE loops")
     ap.add_argument("--quick", action="store_true", help="smoke settings: 2 layers, vocab 1024, seq 64, 1 step")
-    ap.add_argument("--remat", choices=["off", "on", "both"], default="off",
-                    help="per-layer rematerialisation (the stage config's remat); both: each stage without and with")
+    ap.add_argument(
+        "--remat",
+        choices=["off", "on", "both"],
+        default="off",
+        help="per-layer rematerialisation (the stage config's remat); both: each stage without and with",
+    )
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     cfg = SHAPES["smollm2"]
@@ -91,16 +104,19 @@ def main(argv=None):
 
     teacher = Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla")
     head_map = hydrahead_map(cfg)
-    student = build_student(teacher, head_map, HybridConfig(attention_implementation="xla",
-                                                            gdn_implementation="xla"), rngs=nnx.Rngs(1))
+    student = build_student(
+        teacher, head_map, HybridConfig(attention_implementation="xla", gdn_implementation="xla"), rngs=nnx.Rngs(1)
+    )
     rows, tps = [], {}
     remats = {"off": (False,), "on": (True,), "both": (False, True)}[args.remat]
-    runs = [(label + (" (remat)" if remat else ""), kind, seq, batch, remat)
-            for (label, kind, _), seq, batch in zip(STAGES, seqs, args.batch) for remat in remats]
+    runs = [
+        (label + (" (remat)" if remat else ""), kind, seq, batch, remat)
+        for (label, kind, _), seq, batch in zip(STAGES, seqs, args.batch)
+        for remat in remats
+    ]
     for label, kind, seq, batch, remat in runs:
         t0 = time.perf_counter()
-        exe, state, teacher_state, data, nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk,
-                                                             remat)
+        exe, state, teacher_state, data, nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk, remat)
         compile_s = time.perf_counter() - t0
         times = []
         for i in range(1 + args.steps):
@@ -112,18 +128,37 @@ def main(argv=None):
         med = statistics.median(times)
         key = kind + (":remat" if remat else "")
         tps[key] = batch * seq / med
-        rows.append([label, seq, batch, C.fmt_s(med), f"{tps[key]:,.0f}", C.fmt_bytes(nbytes), f"{compile_s:.0f} s",
-                     f"{float(metrics['loss']):.3f}"])
-        print(f"  {label}: seq {seq} batch {batch}: {C.fmt_s(med)}/step, {tps[key]:,.0f} tokens/s, "
-              f"{C.fmt_bytes(nbytes)}", flush=True)
+        rows.append(
+            [
+                label,
+                seq,
+                batch,
+                C.fmt_s(med),
+                f"{tps[key]:,.0f}",
+                C.fmt_bytes(nbytes),
+                f"{compile_s:.0f} s",
+                f"{float(metrics['loss']):.3f}",
+            ]
+        )
+        print(
+            f"  {label}: seq {seq} batch {batch}: {C.fmt_s(med)}/step, {tps[key]:,.0f} tokens/s, {C.fmt_bytes(nbytes)}",
+            flush=True,
+        )
         del state
-    table = C.markdown_table(["stage", "seq", "batch", "step time", "tokens/s", "compiled memory",
-                              "compile", "loss (random weights)"], rows)
-    settings = (f"{cfg.name}, random weights, HydraHead 7:1 global map ({head_map.num_fa_groups()} FA groups), "
-                f"fp32, AdamW, seq lens from {source}, {args.steps} timed steps (median, 1 warm-up), "
-                f"loss chunk {args.loss_chunk}, remat {args.remat}, one device")
-    C.append_results("Training step throughput per stage (bench_train_step.py)", table + "\n", settings=settings,
-                     record=not args.no_record)
+    table = C.markdown_table(
+        ["stage", "seq", "batch", "step time", "tokens/s", "compiled memory", "compile", "loss (random weights)"], rows
+    )
+    settings = (
+        f"{cfg.name}, random weights, HydraHead 7:1 global map ({head_map.num_fa_groups()} FA groups), "
+        f"fp32, AdamW, seq lens from {source}, {args.steps} timed steps (median, 1 warm-up), "
+        f"loss chunk {args.loss_chunk}, remat {args.remat}, one device"
+    )
+    C.append_results(
+        "Training step throughput per stage (bench_train_step.py)",
+        table + "\n",
+        settings=settings,
+        record=not args.no_record,
+    )
     return tps
 
 

@@ -8,6 +8,7 @@ non-zero with a message on any mismatch. GB/s counts the bytes a kernel must mov
 g, beta read and o written, in the input dtype (the W/U/state traffic of the chunked algorithm is
 extra, so this is a lower bound on real traffic).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,13 @@ def make_inputs(B, T, H, K, V, dtype, seed=0):
 def gdn(impl):
     def fn(q, k, v, g, beta, s0):
         if impl == "reference":
-            return naive_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                          use_qk_l2norm=True)
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                      use_qk_l2norm=True, implementation=impl)
+            return naive_gated_delta_rule(
+                q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True
+            )
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, implementation=impl
+        )
+
     return fn
 
 
@@ -50,6 +54,7 @@ def loss_of(fn):
         o, s = fn(*args)
         w = jnp.cos(jnp.arange(o.shape[-1], dtype=jnp.float32))
         return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(s)
+
     return loss
 
 
@@ -76,8 +81,10 @@ def check(shapes, oracle_impl):
         for name, p32, p16, x16, want in zip(names, pal32, pal16, xla16, oracle):
             e32, e16, base16 = rel_err(p32, want), rel_err(p16, want), rel_err(x16, want)
             ok = e32 < 1e-4 and e16 <= 2 * base16 + 1e-3
-            print(f"  B={B} T={T} H={H} K={K} V={V} {name:6s} f32 rel err {e32:.2e}   bf16 rel err {e16:.2e} "
-                  f"(xla bf16 {base16:.2e})  {'ok' if ok else 'MISMATCH'}")
+            print(
+                f"  B={B} T={T} H={H} K={K} V={V} {name:6s} f32 rel err {e32:.2e}   bf16 rel err {e16:.2e} "
+                f"(xla bf16 {base16:.2e})  {'ok' if ok else 'MISMATCH'}"
+            )
             if not ok:
                 failed.append((B, T, H, K, V, name))
     if failed:
@@ -97,8 +104,10 @@ def timed(fn, args, iters):
 
 
 def bench(Ts, Ds, B, H, iters):
-    print(f"bf16 inputs, B={B}, H={H}, K=V=D, use_qk_l2norm, chunk 64, median of {iters} runs "
-          f"(backend: {jax.default_backend()})\n")
+    print(
+        f"bf16 inputs, B={B}, H={H}, K=V=D, use_qk_l2norm, chunk 64, median of {iters} runs "
+        f"(backend: {jax.default_backend()})\n"
+    )
     print("| T | D | impl | fwd ms | fwd Mtok/s | fwd GB/s | fwd+bwd ms | fwd+bwd Mtok/s |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for T in Ts:
@@ -114,8 +123,11 @@ def bench(Ts, Ds, B, H, iters):
                     print(f"| {T} | {D} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||")
                     continue
                 tok = B * T
-                print(f"| {T} | {D} | {impl} | {tf * 1e3:.2f} | {tok / tf / 1e6:.3g} | {nbytes / tf / 1e9:.3g} | "
-                      f"{tb * 1e3:.2f} | {tok / tb / 1e6:.3g} |", flush=True)
+                print(
+                    f"| {T} | {D} | {impl} | {tf * 1e3:.2f} | {tok / tf / 1e6:.3g} | {nbytes / tf / 1e9:.3g} | "
+                    f"{tb * 1e3:.2f} | {tok / tb / 1e6:.3g} |",
+                    flush=True,
+                )
 
 
 def main():

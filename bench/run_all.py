@@ -7,6 +7,7 @@
 Each script runs in its own process (fresh JAX runtime and memory); extra arguments after ``--`` go to every
 script. Exits non-zero if any script failed (an error, not a missed goal: goals are printed, never enforced).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = {"attention": "bench_attention.py", "gated_delta": "bench_gated_delta.py", "decode": "bench_decode.py",
-           "train_step": "bench_train_step.py"}
+SCRIPTS = {
+    "attention": "bench_attention.py",
+    "gated_delta": "bench_gated_delta.py",
+    "decode": "bench_decode.py",
+    "train_step": "bench_train_step.py",
+}
 
 
 def main(argv=None):

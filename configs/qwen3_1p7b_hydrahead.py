@@ -12,6 +12,7 @@ Budget (tokens): stage 1 0.5B at seq 512 (align; new parameters only), stage 2 4
 teacher), stage 3 10B at seq 16384 (next-token loss + 0.1·KL, 10 % synthetic retrieval rows) = 15B, in the shape
 of the HALO recipe (1e-3 → 1e-5, 1e-4 → 1e-5, 1e-5). Mesh: data over hosts, fsdp fills each host's chips.
 """
+
 from configs.common import base, stage
 
 B = 1_000_000_000
@@ -31,16 +32,49 @@ def get_config(arg: str | None = None):
     c.selection.method = "combined"
     c.selection.allocation = "per_layer"
     c.selection.ratio = "25%"
-    c.stage1 = stage(tokens=B // 2, seq_len=512, batch_size=256, lr=1e-3, warmup_steps=200, end_lr_ratio=0.01,
-                     train="new", checkpoint_every=500, keep_checkpoints=3, loss_chunk=1024)
-    c.stage2 = stage(tokens=9 * B // 2, seq_len=2048, batch_size=256, lr=1e-4, warmup_steps=500,
-                     end_lr_ratio=0.1, train="all", checkpoint_every=1000, keep_checkpoints=3, loss_chunk=1024,
-                     remat=True)
+    c.stage1 = stage(
+        tokens=B // 2,
+        seq_len=512,
+        batch_size=256,
+        lr=1e-3,
+        warmup_steps=200,
+        end_lr_ratio=0.01,
+        train="new",
+        checkpoint_every=500,
+        keep_checkpoints=3,
+        loss_chunk=1024,
+    )
+    c.stage2 = stage(
+        tokens=9 * B // 2,
+        seq_len=2048,
+        batch_size=256,
+        lr=1e-4,
+        warmup_steps=500,
+        end_lr_ratio=0.1,
+        train="all",
+        checkpoint_every=1000,
+        keep_checkpoints=3,
+        loss_chunk=1024,
+        remat=True,
+    )
     # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
     # bound the batch that fits (one Qwen3 HydraHead layer's fwd+bwd at 32K compiles to 13 GiB, bench/RESULTS.md).
-    c.stage3 = stage(tokens=10 * B, seq_len=16384, batch_size=32, lr=1e-5, warmup_steps=200, end_lr_ratio=1.0,
-                     train="all", ce_weight=1.0, kl_weight=0.1, synthetic_rate=0.1, checkpoint_every=500,
-                     keep_checkpoints=3, loss_chunk=2048, remat=True)
+    c.stage3 = stage(
+        tokens=10 * B,
+        seq_len=16384,
+        batch_size=32,
+        lr=1e-5,
+        warmup_steps=200,
+        end_lr_ratio=1.0,
+        train="all",
+        ce_weight=1.0,
+        kl_weight=0.1,
+        synthetic_rate=0.1,
+        checkpoint_every=500,
+        keep_checkpoints=3,
+        loss_chunk=2048,
+        remat=True,
+    )
     if arg == "25pct":
         pass
     elif arg == "7to1":
@@ -50,6 +84,7 @@ def get_config(arg: str | None = None):
         c.selection.method = method
         c.selection.ratio = "25%" if ratio == "25pct" else ratio.replace("to", ":")
     else:
-        raise ValueError(f"unknown variant {arg!r}; use 25pct, 7to1, layerwise_3to1, layerwise_7to1, random_7to1 "
-                         "or random_25pct.")
+        raise ValueError(
+            f"unknown variant {arg!r}; use 25pct, 7to1, layerwise_3to1, layerwise_7to1, random_7to1 or random_25pct."
+        )
     return c

@@ -10,6 +10,7 @@ converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
 "layerwise_3to1", "random_7to1".
 """
+
 from configs.common import base, stage
 
 
@@ -20,14 +21,45 @@ def get_config(arg: str | None = None):
     c.selection.method = "combined"
     c.selection.ratio = "7:1"
     c.selection.allocation = "global"
-    c.stage1 = stage(steps=100, seq_len=256, batch_size=4, lr=1e-3, warmup_steps=8, end_lr_ratio=0.1, train="new",
-                     checkpoint_every=25, loss_chunk=256)
+    c.stage1 = stage(
+        steps=100,
+        seq_len=256,
+        batch_size=4,
+        lr=1e-3,
+        warmup_steps=8,
+        end_lr_ratio=0.1,
+        train="new",
+        checkpoint_every=25,
+        loss_chunk=256,
+    )
     # remat in stages 2-3: on this CPU it more than halves the compiled step (7.0 → 3.2 GiB for stage 2) and is no
     # slower (bench/bench_train_step.py --remat both).
-    c.stage2 = stage(steps=40, seq_len=512, batch_size=2, lr=2e-4, warmup_steps=4, end_lr_ratio=0.1, train="all",
-                     checkpoint_every=20, loss_chunk=256, remat=True)
-    c.stage3 = stage(steps=20, seq_len=1024, batch_size=1, lr=5e-5, warmup_steps=2, end_lr_ratio=0.2, train="all",
-                     ce_weight=1.0, synthetic_rate=0.25, checkpoint_every=10, loss_chunk=256, remat=True)
+    c.stage2 = stage(
+        steps=40,
+        seq_len=512,
+        batch_size=2,
+        lr=2e-4,
+        warmup_steps=4,
+        end_lr_ratio=0.1,
+        train="all",
+        checkpoint_every=20,
+        loss_chunk=256,
+        remat=True,
+    )
+    c.stage3 = stage(
+        steps=20,
+        seq_len=1024,
+        batch_size=1,
+        lr=5e-5,
+        warmup_steps=2,
+        end_lr_ratio=0.2,
+        train="all",
+        ce_weight=1.0,
+        synthetic_rate=0.25,
+        checkpoint_every=10,
+        loss_chunk=256,
+        remat=True,
+    )
     _variant(c, arg or "")
     return c
 
@@ -44,5 +76,6 @@ def _variant(c, arg: str):
         c.selection.method = "random"
         c.selection.ratio = arg.split("_", 1)[1].replace("to", ":")
     else:
-        raise ValueError(f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1' or "
-                         "'random_7to1'.")
+        raise ValueError(
+            f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1' or 'random_7to1'."
+        )

@@ -1,13 +1,25 @@
 """A random tiny teacher and the seeded 'copy' data source: the whole pipeline in seconds (tests, smoke runs)."""
+
 from configs.common import base, stage
 
 
 def get_config(arg: str | None = None):
     c = base()
     c.teacher.source = "random"
-    c.teacher.model.update(dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                                num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=True,
-                                name="tiny-random"))
+    c.teacher.model.update(
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            name="tiny-random",
+        )
+    )
     c.data.source = "copy"
     c.selection.method = "layerwise"
     c.selection.ratio = "1:1"

@@ -1,4 +1,5 @@
 """Typed, validated configuration of the decoder that serves as teacher and as every student's skeleton."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,20 +47,31 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"ModelConfig.{field} must be a positive integer, got {value!r}.")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
-                "grouped-query attention needs every KV head to serve the same number of query heads.")
+                "grouped-query attention needs every KV head to serve the same number of query heads."
+            )
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"ModelConfig.architecture={self.architecture!r} is not supported; "
-                              f"choose one of {SUPPORTED_ARCHITECTURES}.")
+            raise ConfigError(
+                f"ModelConfig.architecture={self.architecture!r} is not supported; "
+                f"choose one of {SUPPORTED_ARCHITECTURES}."
+            )
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in _DTYPES:
                 raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}; choose one of {tuple(_DTYPES)}.")
@@ -81,14 +93,14 @@ class ModelConfig:
     def jnp_param_dtype(self):
         return _DTYPES[self.param_dtype]
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

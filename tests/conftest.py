@@ -1,4 +1,5 @@
 """Test setup: 8 simulated CPU devices (must be set before JAX initialises) and shared fixtures."""
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,6 +23,7 @@ def gensim_wheel():
     ~/.cache/hydrahead_jax): on a new machine it is fetched from PyPI once, as `make demo` does. Tests copy it into
     their own cache folders. A lock keeps parallel pytest workers from downloading it twice at once."""
     from hydrahead_jax.data.corpus import cache_dir, fetch_gensim_wheel
+
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".gensim-download.lock", "w") as lock:

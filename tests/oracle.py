@@ -7,6 +7,7 @@ Every model is seeded and its weights are redrawn at a scale where logits are O(
 std 0.02, gives logits so small that any loader bug would hide under the tolerance). Other areas reuse these
 helpers, so keep them free of hydrahead_jax imports: the oracle must not share code with what it checks.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 # Untied for Llama and Qwen2, tied for Qwen3, so both embedding paths are exercised by the parity tests.
 TINY_VARIANTS = {
     "llama": dict(cls="LlamaForCausalLM", rope_theta=10000.0, tie_word_embeddings=False),
@@ -27,8 +36,10 @@ TINY_VARIANTS = {
     "qwen3": dict(cls="Qwen3ForCausalLM", rope_theta=1000000.0, tie_word_embeddings=True),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_TOKENIZER_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-                   "How vexingly quick daft zebras jump! 0123456789 (x + y) * z = 42; def f(a, b): return a - b\n")
+_TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! 0123456789 (x + y) * z = 42; def f(a, b): return a - b\n"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 300):
@@ -38,8 +49,12 @@ def tiny_tokenizer(vocab_size: int = 300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([_TOKENIZER_TEXT] * 20, trainer=trainer)
     return tok
 
@@ -67,8 +82,14 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int | None = None,
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_VARIANTS)}")
     variant = dict(TINY_VARIANTS[arch])
     cls = getattr(transformers, variant.pop("cls"))
-    kwargs = dict(TINY, **variant, vocab_size=vocab_size or tiny_tokenizer().get_vocab_size(),
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kwargs = dict(
+        TINY,
+        **variant,
+        vocab_size=vocab_size or tiny_tokenizer().get_vocab_size(),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     kwargs.update(overrides)
     config = cls.config_class(**kwargs)
     torch.manual_seed(seed)
@@ -79,8 +100,9 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int | None = None,
     return model
 
 
-def save_tiny_hf_model(folder: str | os.PathLike, arch: str, *, seed: int = 0,
-                       max_shard_size: str | None = None, **overrides) -> Path:
+def save_tiny_hf_model(
+    folder: str | os.PathLike, arch: str, *, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """Build a tiny model and save it as a Hugging Face folder (safetensors, tokenizer.json); returns the folder.
 
     ``max_shard_size`` (e.g. "40KB") forces a sharded save with ``model.safetensors.index.json``.
@@ -92,8 +114,11 @@ def save_tiny_hf_model(folder: str | os.PathLike, arch: str, *, seed: int = 0,
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
     return folder
 
 
@@ -103,8 +128,11 @@ def torch_logits(folder_or_model, input_ids, *, gguf_file: str | None = None) ->
     ``folder_or_model``: a loaded torch model, a Hugging Face folder, or (with ``gguf_file``) the folder holding
     that GGUF file, which transformers dequantises itself.
     """
-    model = folder_or_model if not isinstance(folder_or_model, (str, os.PathLike)) else \
-        load_torch_model(folder_or_model, gguf_file=gguf_file)
+    model = (
+        folder_or_model
+        if not isinstance(folder_or_model, (str, os.PathLike))
+        else load_torch_model(folder_or_model, gguf_file=gguf_file)
+    )
     import torch
 
     with torch.no_grad():
@@ -118,8 +146,9 @@ def load_torch_model(folder: str | os.PathLike, *, gguf_file: str | None = None)
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager",
-                                                **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager", **kwargs
+    ).eval()
 
 
 def load_torch_tokenizer(folder: str | os.PathLike, *, gguf_file: str | None = None):
@@ -135,11 +164,19 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def write_tiny_gguf(path: str | os.PathLike, model, arch: str, tokens: list[str] | None = None) -> Path:

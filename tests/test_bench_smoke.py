@@ -4,6 +4,7 @@ No timing is asserted (benchmarks fail only on errors). What is checked: each sc
 promises, with finite positive measurements, and the gated delta benchmark's own agreement check against
 transformers' torch implementation passes (it raises otherwise). Nothing is appended to bench/RESULTS.md.
 """
+
 import math
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def _table_rows(text: str, first_header: str) -> list[list[str]]:
 
 def test_attention_quick(capsys):
     import bench_attention
+
     all_results = bench_attention.main(["--quick"])
     out = capsys.readouterr().out
     rows = _table_rows(out, "T")
@@ -48,6 +50,7 @@ def test_attention_quick(capsys):
 
 def test_decode_quick(capsys):
     import bench_decode
+
     per_token = bench_decode.main(["--quick"])
     out = capsys.readouterr().out
     rows = _table_rows(out, "context")
@@ -59,18 +62,25 @@ def test_decode_quick(capsys):
 
 def test_train_step_quick(capsys):
     import bench_train_step
+
     tps = bench_train_step.main(["--quick", "--remat", "both"])
     out = capsys.readouterr().out
     rows = _table_rows(out, "stage")
-    assert [r[0] for r in rows] == [f"stage {s}{r}" for s in ("1 align", "2 distil", "3 long") for r in ("", " (remat)")]
+    assert [r[0] for r in rows] == [
+        f"stage {s}{r}" for s in ("1 align", "2 distil", "3 long") for r in ("", " (remat)")
+    ]
     assert set(tps) == {f"{k}{r}" for k in ("align", "distil", "long") for r in ("", ":remat")}
     assert all(v > 0 for v in tps.values())
 
 
 def test_gated_delta_quick_via_run_all():
     # Through run_all (a subprocess per script), so the runner itself is exercised too.
-    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "gated_delta"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "gated_delta"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "agreement (T=256)" in proc.stdout
     rows = _table_rows(proc.stdout, "T")

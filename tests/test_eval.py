@@ -1,6 +1,7 @@
 """eval.py and hydrahead_jax.evaluation: scoring, perplexity/agreement against numpy, greedy decoding against a
 cache-free reference, errors before anything runs, the skip-with-reason path, and the whole suite end to end on
 tiny random models (a plain decoder saved as a Hugging Face folder, and a HydraHead hybrid)."""
+
 import functools
 import json
 import math
@@ -15,31 +16,70 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.data import synthetic
 from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
-from hydrahead_jax.evaluation import (ModelSpecError, Settings, Suite, SuiteError, exact_match, load_model,
-                                      normalize_answer, parse_lengths, parse_suite, write_outputs)
-from hydrahead_jax.evaluation import cli, tasks
+from hydrahead_jax.evaluation import (
+    ModelSpecError,
+    Settings,
+    Suite,
+    SuiteError,
+    cli,
+    exact_match,
+    load_model,
+    normalize_answer,
+    parse_lengths,
+    parse_suite,
+    tasks,
+    write_outputs,
+)
 from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
 from hydrahead_jax.models import Transformer
 from hydrahead_jax.models.transformer import hf_weight_map
 
-SUBJECTS = ["The river", "An old farmer", "The small village", "A quiet teacher", "The northern forest",
-            "The city council", "A young painter", "The mountain road", "The harbor master", "A travelling merchant"]
+SUBJECTS = [
+    "The river",
+    "An old farmer",
+    "The small village",
+    "A quiet teacher",
+    "The northern forest",
+    "The city council",
+    "A young painter",
+    "The mountain road",
+    "The harbor master",
+    "A travelling merchant",
+]
 VERBS = ["watched", "crossed", "described", "remembered", "followed", "visited", "measured", "admired"]
-OBJECTS = ["the morning fog over the fields", "a long line of carts", "the stone bridge near the mill",
-           "the autumn market in the square", "the lights of distant ships", "an orchard of apple trees",
-           "the bells of the chapel", "a map of the valley"]
+OBJECTS = [
+    "the morning fog over the fields",
+    "a long line of carts",
+    "the stone bridge near the mill",
+    "the autumn market in the square",
+    "the lights of distant ships",
+    "an orchard of apple trees",
+    "the bells of the chapel",
+    "a map of the valley",
+]
 
 
 def prose(seed: int, sentences: int) -> str:
     """Deterministic English-like prose, one paragraph per 6 sentences (the haystack splits sentences)."""
     rng = np.random.default_rng(seed)
-    out = [f"{SUBJECTS[rng.integers(10)]} {VERBS[rng.integers(8)]} {OBJECTS[rng.integers(8)]}." for _ in range(sentences)]
-    return "\n".join(" ".join(out[i:i + 6]) for i in range(0, sentences, 6))
+    out = [
+        f"{SUBJECTS[rng.integers(10)]} {VERBS[rng.integers(8)]} {OBJECTS[rng.integers(8)]}." for _ in range(sentences)
+    ]
+    return "\n".join(" ".join(out[i : i + 6]) for i in range(0, sentences, 6))
 
 
 def tiny_cfg(vocab: int, **kw) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, **kw)
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        **kw,
+    )
 
 
 def random_model(cfg: ModelConfig, seed: int) -> Transformer:
@@ -71,14 +111,28 @@ def save_hf_folder(model: Transformer, tokenizer, folder: Path) -> Path:
 
     cfg = model.cfg
     folder.mkdir(parents=True)
-    tensors = {name: np.ascontiguousarray(np.asarray(var[...]).T if transposed else np.asarray(var[...]))
-               for name, (var, transposed) in hf_weight_map(model).items()}
+    tensors = {
+        name: np.ascontiguousarray(np.asarray(var[...]).T if transposed else np.asarray(var[...]))
+        for name, (var, transposed) in hf_weight_map(model).items()
+    }
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "rope_theta": cfg.rope_theta,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     tokenizer._tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return folder
@@ -91,40 +145,54 @@ def world(tmp_path_factory):
     texts = {"haystack": prose(0, 300), "a": prose(1, 240), "b": prose(2, 240).upper()}
     for name, text in texts.items():
         (root / f"{name}.txt").write_text(text)
-    templates = [synthetic.NIAH_PREFIX.format(noun_pl="numbers"), synthetic.PASSKEY_PREFIX, synthetic.KV_PREFIX,
-                 "What is the special magic number for mentioned in the provided text? Answer: The pass key is"]
+    templates = [
+        synthetic.NIAH_PREFIX.format(noun_pl="numbers"),
+        synthetic.PASSKEY_PREFIX,
+        synthetic.KV_PREFIX,
+        "What is the special magic number for mentioned in the provided text? Answer: The pass key is",
+    ]
     tok = train_bpe_tokenizer(list(texts.values()) + templates * 20, vocab_size=400, name="eval-test-bpe")
     cfg = tiny_cfg(tok.vocab_size)
     teacher = random_model(cfg, 1)
     student = perturbed(teacher, 0.1, 2)
-    return {"root": root, "tok": tok, "cfg": cfg, "teacher": teacher, "student": student,
-            # the same folder name gives both the same config name, so they share compiled executables
-            "teacher_dir": save_hf_folder(teacher, tok, root / "teacher" / "tiny"),
-            "student_dir": save_hf_folder(student, tok, root / "student" / "tiny")}
+    return {
+        "root": root,
+        "tok": tok,
+        "cfg": cfg,
+        "teacher": teacher,
+        "student": student,
+        # the same folder name gives both the same config name, so they share compiled executables
+        "teacher_dir": save_hf_folder(teacher, tok, root / "teacher" / "tiny"),
+        "student_dir": save_hf_folder(student, tok, root / "student" / "tiny"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ scoring
 
-@pytest.mark.parametrize("prediction, answer, expected", [
-    ("7421", "7421", True),
-    (" 7421. Remember it.", " 7421", True),           # leading space, trailing text and punctuation
-    ("\n  7421\nWhat else", "7421", True),              # first line after leading whitespace
-    ("74210", "7421", False),                          # digit strings, not prefixes
-    ("007421", "7421", False),
-    ("The pass key is 7421", "7421", True),             # numbers: the first number of the first line
-    ("7422", "7421", False),
-    ("\n\n", "7421", False),
-    ("1234567, 7654321.", " 1234567 7654321", True),    # lists of numbers
-    ("1234567 7654322", " 1234567 7654321", False),
-    ("Apple.", "apple", True),
-    ("  APPLE   pie!! and more", "apple pie", True),
-    ("apples", "apple", False),
-    ("The apple", "apple", False),                     # words: the answer must come first
-    ("pie apple", "apple pie", False),
-    ('3f2a-bc01"}', "3f2a-bc01", True),                 # uuid-like values keep inner hyphens
-    ('3f2a-bc02"', "3f2a-bc01", False),
-    ("ABCDE, FGHIJ, KLMNO.", " ABCDE FGHIJ KLMNO", True),
-])
+
+@pytest.mark.parametrize(
+    "prediction, answer, expected",
+    [
+        ("7421", "7421", True),
+        (" 7421. Remember it.", " 7421", True),  # leading space, trailing text and punctuation
+        ("\n  7421\nWhat else", "7421", True),  # first line after leading whitespace
+        ("74210", "7421", False),  # digit strings, not prefixes
+        ("007421", "7421", False),
+        ("The pass key is 7421", "7421", True),  # numbers: the first number of the first line
+        ("7422", "7421", False),
+        ("\n\n", "7421", False),
+        ("1234567, 7654321.", " 1234567 7654321", True),  # lists of numbers
+        ("1234567 7654322", " 1234567 7654321", False),
+        ("Apple.", "apple", True),
+        ("  APPLE   pie!! and more", "apple pie", True),
+        ("apples", "apple", False),
+        ("The apple", "apple", False),  # words: the answer must come first
+        ("pie apple", "apple pie", False),
+        ('3f2a-bc01"}', "3f2a-bc01", True),  # uuid-like values keep inner hyphens
+        ('3f2a-bc02"', "3f2a-bc01", False),
+        ("ABCDE, FGHIJ, KLMNO.", " ABCDE FGHIJ KLMNO", True),
+    ],
+)
 def test_exact_match_hand_made_cases(prediction, answer, expected):
     assert exact_match(prediction, answer) is expected
 
@@ -137,6 +205,7 @@ def test_normalize_answer_and_empty_reference():
 
 
 # ------------------------------------------------------------------------------------------------ parsing and errors
+
 
 def test_parse_suite_and_lengths():
     assert parse_suite("niah, ppl,niah") == ("niah", "ppl")
@@ -163,8 +232,20 @@ def test_cli_errors_come_before_any_model_loads(world, tmp_path, monkeypatch, ca
 
 def test_cli_reports_unusable_inputs_before_the_suite_runs(world, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("too short\n")  # no sentence a haystack could use
-    rc = cli.main(["--model", str(world["teacher_dir"]), "--suite", "passkey", "--lengths", "256",
-                   "--haystack", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")])
+    rc = cli.main(
+        [
+            "--model",
+            str(world["teacher_dir"]),
+            "--suite",
+            "passkey",
+            "--lengths",
+            "256",
+            "--haystack",
+            str(tmp_path / "empty.txt"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "cannot prepare the evaluation inputs" in err and "haystack text has no sentences" in err
     assert not (tmp_path / "o").exists()
@@ -183,6 +264,7 @@ def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ numerics
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, ids):
@@ -247,18 +329,44 @@ def test_memory_limit_refuses_before_running(world):
 
 # ------------------------------------------------------------------------------------------------ end to end
 
+
 def _is_png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
 
 
 def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tmp_path):
     root, out = world["root"], tmp_path / "eval"
-    rc = cli.main(["--model", f"teacher:{world['teacher_dir']}", "--model", f"student={world['student_dir']}",
-                   "--suite", "niah,passkey,kv,ppl,agreement,efficiency", "--lengths", "256,16k",
-                   "--ppl-lengths", "256", "--depths", "0,1", "--samples", "1", "--decode-steps", "3",
-                   "--memory-limit", "10MB", "--haystack", str(root / "haystack.txt"),
-                   "--text", f"a={root / 'a.txt'}", "--text", f"b={root / 'b.txt'}", "--out", str(out),
-                   "--no-progress"])
+    rc = cli.main(
+        [
+            "--model",
+            f"teacher:{world['teacher_dir']}",
+            "--model",
+            f"student={world['student_dir']}",
+            "--suite",
+            "niah,passkey,kv,ppl,agreement,efficiency",
+            "--lengths",
+            "256,16k",
+            "--ppl-lengths",
+            "256",
+            "--depths",
+            "0,1",
+            "--samples",
+            "1",
+            "--decode-steps",
+            "3",
+            "--memory-limit",
+            "10MB",
+            "--haystack",
+            str(root / "haystack.txt"),
+            "--text",
+            f"a={root / 'a.txt'}",
+            "--text",
+            f"b={root / 'b.txt'}",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     names = ["teacher:tiny", "student"]
@@ -297,8 +405,10 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
     assert math.isclose(r["value"], math.exp(nll.mean()), rel_tol=1e-5)
 
     # same prompts for both models; the stored flag is the documented exact match
-    by_model = {n: {(s["task"], s["nominal_length"], s["target_depth"]): s for s in res["samples"] if s["model"] == n}
-                for n in names}
+    by_model = {
+        n: {(s["task"], s["nominal_length"], s["target_depth"]): s for s in res["samples"] if s["model"] == n}
+        for n in names
+    }
     assert by_model[names[0]].keys() == by_model[names[1]].keys() and len(by_model[names[0]]) == 4
     for key, s in by_model[names[0]].items():
         assert s["answer"] == by_model[names[1]][key]["answer"]
@@ -306,8 +416,13 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
 
     report = (out / "report.md").read_text()
     assert "| teacher:tiny | student |" in report and "## Skipped" in report and "--memory-limit" in report
-    for png in ("niah_heatmap_teacher_tiny.png", "niah_heatmap_student.png", "retrieval_vs_length.png",
-                "perplexity_vs_length.png", "efficiency_vs_length.png"):
+    for png in (
+        "niah_heatmap_teacher_tiny.png",
+        "niah_heatmap_student.png",
+        "retrieval_vs_length.png",
+        "perplexity_vs_length.png",
+        "efficiency_vs_length.png",
+    ):
         assert _is_png(out / png), png
 
 
@@ -319,11 +434,21 @@ def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_t
     head_map = HeadMap.from_fa_groups(cfg, [[0], []], method="test")  # layer 0: one FA group, layer 1: all GDN
     student = build_student(world["teacher"], head_map)
     graphdef, state = nnx.split(student)
-    train_config = {"stage1": {"seq_len": 128}, "stage3": {"seq_len": 256},
-                    "data": {"source": "enwiki", "validation_fraction": 0.05}}
-    final = export_final(tmp_path / "run" / "final", graphdef, jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
-                         cfg, head_map, HybridConfig(), teacher_source=str(world["teacher_dir"]),
-                         resolved_config=train_config)
+    train_config = {
+        "stage1": {"seq_len": 128},
+        "stage3": {"seq_len": 256},
+        "data": {"source": "enwiki", "validation_fraction": 0.05},
+    }
+    final = export_final(
+        tmp_path / "run" / "final",
+        graphdef,
+        jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
+        cfg,
+        head_map,
+        HybridConfig(),
+        teacher_source=str(world["teacher_dir"]),
+        resolved_config=train_config,
+    )
     hybrid = load_model(f"hybrid={final}")
     assert (hybrid.name, hybrid.kind, hybrid.train_length) == ("hybrid", "hydrahead", 256)
     assert hybrid.info["corpus"] == {"source": "enwiki", "validation_fraction": 0.05}
@@ -331,9 +456,15 @@ def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_t
     ids = np.arange(40, dtype=np.int32)[None] % cfg.vocab_size
     np.testing.assert_array_equal(full_logits(hybrid.model, ids), full_logits(student, ids))
 
-    settings = Settings(suites=("passkey", "efficiency"), retrieval_lengths=(512,), ppl_lengths=(256,),
-                        efficiency_lengths=(256, 512), samples=1, decode_steps=2,
-                        haystack=str(world["root"] / "haystack.txt"))
+    settings = Settings(
+        suites=("passkey", "efficiency"),
+        retrieval_lengths=(512,),
+        ppl_lengths=(256,),
+        efficiency_lengths=(256, 512),
+        samples=1,
+        decode_steps=2,
+        haystack=str(world["root"] / "haystack.txt"),
+    )
     suite = Suite([hybrid], settings).run(progress=False)
     res = write_outputs(suite, tmp_path / "eval")
     eff = {(r["metric"], r["length"]): r for r in res["results"] if r["task"] == "efficiency"}
@@ -356,7 +487,14 @@ def test_an_export_without_a_tokenizer_is_a_clear_error(world, tmp_path):
     from hydrahead_jax.training.export import export_final
 
     graphdef, state = nnx.split(world["teacher"])
-    final = export_final(tmp_path / "final", graphdef, jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
-                         world["cfg"], HeadMap.all_fa(world["cfg"]), HybridConfig(), teacher_source=None)
+    final = export_final(
+        tmp_path / "final",
+        graphdef,
+        jax.tree.map(lambda x: x.copy(), nnx.as_pure(state)),
+        world["cfg"],
+        HeadMap.all_fa(world["cfg"]),
+        HybridConfig(),
+        teacher_source=None,
+    )
     with pytest.raises(ModelSpecError, match="records no tokenizer"):
         load_model(str(final))

@@ -6,6 +6,7 @@ with the materialising fp32 reference and with jax.nn.dot_product_attention, for
 for GQA, causal offsets and lengths that are not tile multiples. It does NOT prove that the kernels
 lower through Triton / Mosaic: the lowering tests at the end run only on a GPU / TPU.
 """
+
 import logging
 
 import hypothesis
@@ -14,38 +15,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention
 from pallas_kernels.flash_attention import api as fa_api
 
 F32 = jnp.float32
 # Small tiles so that every case spans several query and key tiles, including ragged last ones.
-SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=16,
-                   block_k_dkv=32)
-SMALL_TPU = BlockSizes(block_q=32, block_k=24, block_q_dq=16, block_k_dq=40, block_q_dkv=16,
-                       block_k_dkv=32)
+SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=16, block_k_dkv=32)
+SMALL_TPU = BlockSizes(block_q=32, block_k=24, block_q_dq=16, block_k_dq=40, block_q_dkv=16, block_k_dkv=32)
 
 
 def _inputs(seed, b, t, s, hq, hkv, d, dtype=F32):
-  rng = np.random.default_rng(seed)
-  shapes = [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, t, hq, d)]
-  return [jnp.asarray(rng.standard_normal(sh), dtype) for sh in shapes]  # q, k, v, dout
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, t, hq, d)]
+    return [jnp.asarray(rng.standard_normal(sh), dtype) for sh in shapes]  # q, k, v, dout
 
 
 def _fwd_and_grads(fn, q, k, v, do):
-  out, vjp = jax.vjp(fn, q, k, v)
-  return (out, *vjp(do))
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
 
 
 def _dpa_oracle(q, k, v, causal, q_offset):
-  """jax.nn.dot_product_attention with an explicit mask (its is_causal aligns queries top-left)."""
-  t, s = q.shape[1], k.shape[1]
-  mask = None
-  if causal:
-    off = s - t if q_offset is None else q_offset
-    mask = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + off)[None, None]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    """jax.nn.dot_product_attention with an explicit mask (its is_causal aligns queries top-left)."""
+    t, s = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        off = s - t if q_offset is None else q_offset
+        mask = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + off)[None, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
 # (B, T, S, Hq, Hkv, D, causal, q_offset)
@@ -60,157 +60,169 @@ CASES = [
 
 @pytest.mark.parametrize("b,t,s,hq,hkv,d,causal,q_offset", CASES)
 def test_xla_matches_reference_and_jax_nn(b, t, s, hq, hkv, d, causal, q_offset):
-  q, k, v, do = _inputs(0, b, t, s, hq, hkv, d)
-  ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, q_offset=q_offset)
-  fa = lambda q, k, v: flash_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                       implementation="xla", block_sizes=SMALL)
-  got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
-  np.testing.assert_allclose(want[0], _dpa_oracle(q, k, v, causal, q_offset), atol=1e-5, rtol=1e-5)
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
+    q, k, v, do = _inputs(0, b, t, s, hq, hkv, d)
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, q_offset=q_offset)
+    fa = lambda q, k, v: flash_attention(
+        q, k, v, causal=causal, q_offset=q_offset, implementation="xla", block_sizes=SMALL
+    )
+    got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
+    np.testing.assert_allclose(want[0], _dpa_oracle(q, k, v, causal, q_offset), atol=1e-5, rtol=1e-5)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("impl,blocks", [("pallas_gpu", SMALL), ("pallas_tpu", SMALL_TPU)])
 @pytest.mark.parametrize("b,t,s,hq,hkv,d,causal,q_offset", [CASES[2], CASES[3]])
 def test_pallas_interpret_matches_reference(impl, blocks, b, t, s, hq, hkv, d, causal, q_offset):
-  q, k, v, do = _inputs(1, b, t, s, hq, hkv, d)
-  ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, q_offset=q_offset)
-  fa = lambda q, k, v: flash_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                       implementation=impl, block_sizes=blocks)
-  got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
+    q, k, v, do = _inputs(1, b, t, s, hq, hkv, d)
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, q_offset=q_offset)
+    fa = lambda q, k, v: flash_attention(
+        q, k, v, causal=causal, q_offset=q_offset, implementation=impl, block_sizes=blocks
+    )
+    got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_bf16_error_within_twice_the_reference_error(impl):
-  """bf16 kernels (bf16 P and dS in the matmuls, as in FlashAttention) vs an fp32 oracle on the same
-  bf16-rounded inputs: Frobenius error at most 2x that of the reference run in bf16 (which rounds
-  only its inputs and outputs). The Frobenius norm is used because a max-abs error is set by a
-  single rounding of the reference's output and fluctuates between seeds."""
-  q, k, v, do = _inputs(2, 1, 100, 100, 4, 2, 32, jnp.bfloat16)
-  blocks = SMALL_TPU if impl == "pallas_tpu" else SMALL
-  oracle = _fwd_and_grads(lambda *a: attention_reference(*a), *(x.astype(F32) for x in (q, k, v, do)))
-  ref = _fwd_and_grads(lambda *a: attention_reference(*a), q, k, v, do)
-  got = _fwd_and_grads(lambda *a: flash_attention(*a, implementation=impl, block_sizes=blocks),
-                       q, k, v, do)
-  for name, g, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
-    assert g.dtype == jnp.bfloat16, name
-    err_ref = float(jnp.linalg.norm(r.astype(F32) - o))
-    err = float(jnp.linalg.norm(g.astype(F32) - o))
-    assert 0 < err <= 2 * err_ref, (name, err, err_ref)
+    """bf16 kernels (bf16 P and dS in the matmuls, as in FlashAttention) vs an fp32 oracle on the same
+    bf16-rounded inputs: Frobenius error at most 2x that of the reference run in bf16 (which rounds
+    only its inputs and outputs). The Frobenius norm is used because a max-abs error is set by a
+    single rounding of the reference's output and fluctuates between seeds."""
+    q, k, v, do = _inputs(2, 1, 100, 100, 4, 2, 32, jnp.bfloat16)
+    blocks = SMALL_TPU if impl == "pallas_tpu" else SMALL
+    oracle = _fwd_and_grads(lambda *a: attention_reference(*a), *(x.astype(F32) for x in (q, k, v, do)))
+    ref = _fwd_and_grads(lambda *a: attention_reference(*a), q, k, v, do)
+    got = _fwd_and_grads(lambda *a: flash_attention(*a, implementation=impl, block_sizes=blocks), q, k, v, do)
+    for name, g, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
+        assert g.dtype == jnp.bfloat16, name
+        err_ref = float(jnp.linalg.norm(r.astype(F32) - o))
+        err = float(jnp.linalg.norm(g.astype(F32) - o))
+        assert 0 < err <= 2 * err_ref, (name, err, err_ref)
 
 
 @hypothesis.settings(max_examples=4, deadline=None, derandomize=True)
-@hypothesis.given(b=st.integers(1, 2), t=st.integers(1, 70), extra=st.integers(0, 40),
-                  hkv=st.integers(1, 2), g=st.integers(1, 3), d=st.sampled_from([4, 8, 16]),
-                  causal=st.booleans(), bq=st.sampled_from([8, 16, 64]),
-                  bk=st.sampled_from([8, 24, 64]))
+@hypothesis.given(
+    b=st.integers(1, 2),
+    t=st.integers(1, 70),
+    extra=st.integers(0, 40),
+    hkv=st.integers(1, 2),
+    g=st.integers(1, 3),
+    d=st.sampled_from([4, 8, 16]),
+    causal=st.booleans(),
+    bq=st.sampled_from([8, 16, 64]),
+    bk=st.sampled_from([8, 24, 64]),
+)
 def test_xla_random_shapes(b, t, extra, hkv, g, d, causal, bq, bk):
-  q, k, v, do = _inputs(t * 7 + extra, b, t, t + extra, hkv * g, hkv, d)
-  blocks = BlockSizes(block_q=bq, block_k=bk)
-  ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)
-  fa = lambda q, k, v: flash_attention(q, k, v, causal=causal, implementation="xla",
-                                       block_sizes=blocks)
-  for name, gt, w in zip(("out", "dq", "dk", "dv"), _fwd_and_grads(fa, q, k, v, do),
-                         _fwd_and_grads(ref, q, k, v, do)):
-    np.testing.assert_allclose(gt, w, atol=2e-5, rtol=2e-5, err_msg=name)
+    q, k, v, do = _inputs(t * 7 + extra, b, t, t + extra, hkv * g, hkv, d)
+    blocks = BlockSizes(block_q=bq, block_k=bk)
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)
+    fa = lambda q, k, v: flash_attention(q, k, v, causal=causal, implementation="xla", block_sizes=blocks)
+    for name, gt, w in zip(
+        ("out", "dq", "dk", "dv"), _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
+    ):
+        np.testing.assert_allclose(gt, w, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
 def test_xla_never_materialises_scores():
-  """At T = S = 8K, 8 heads of 64, fwd+bwd: XLA's compiled temp memory for the blockwise path is far
-  below one fp32 score matrix (T·T·4·H = 2 GiB); the reference, compiled the same way, is above it
-  (which shows that the measurement sees a materialised score matrix when there is one)."""
-  t, h, d = 8192, 8, 64
-  spec = jax.ShapeDtypeStruct((1, t, h, d), F32)
-  score_bytes = t * t * 4 * h
+    """At T = S = 8K, 8 heads of 64, fwd+bwd: XLA's compiled temp memory for the blockwise path is far
+    below one fp32 score matrix (T·T·4·H = 2 GiB); the reference, compiled the same way, is above it
+    (which shows that the measurement sees a materialised score matrix when there is one)."""
+    t, h, d = 8192, 8, 64
+    spec = jax.ShapeDtypeStruct((1, t, h, d), F32)
+    score_bytes = t * t * 4 * h
 
-  def temp_bytes(impl):
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, implementation=impl) ** 2)
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    def temp_bytes(impl):
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, implementation=impl) ** 2)
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
 
-  blockwise = temp_bytes("xla")
-  assert blockwise < score_bytes / 16, (blockwise, score_bytes)
-  assert temp_bytes("reference") > score_bytes
+    blockwise = temp_bytes("xla")
+    assert blockwise < score_bytes / 16, (blockwise, score_bytes)
+    assert temp_bytes("reference") > score_bytes
 
 
 def _pallas_calls_outside_and_inside(jaxpr, inside=False, acc=None):
-  """Counts pallas_call equations outside / inside a shard_map, recursing into sub-jaxprs."""
-  acc = {"outside": 0, "inside": 0} if acc is None else acc
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      acc["inside" if inside else "outside"] += 1
-      continue
-    sub_inside = inside or eqn.primitive.name == "shard_map"
-    for param in eqn.params.values():
-      for p in (param if isinstance(param, (tuple, list)) else (param,)):
-        sub = getattr(p, "jaxpr", p)
-        if hasattr(sub, "eqns"):
-          _pallas_calls_outside_and_inside(sub, sub_inside, acc)
-  return acc
+    """Counts pallas_call equations outside / inside a shard_map, recursing into sub-jaxprs."""
+    acc = {"outside": 0, "inside": 0} if acc is None else acc
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            acc["inside" if inside else "outside"] += 1
+            continue
+        sub_inside = inside or eqn.primitive.name == "shard_map"
+        for param in eqn.params.values():
+            for p in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(p, "jaxpr", p)
+                if hasattr(sub, "eqns"):
+                    _pallas_calls_outside_and_inside(sub, sub_inside, acc)
+    return acc
 
 
 def test_pallas_inside_shard_map_matches_unsharded():
-  """8 devices as (data=2, heads=4): each shard holds 1 batch row, 2 query heads and their 1 KV head
-  (contiguous GQA groups), so attention is shard-local and the kernel must sit inside shard_map."""
-  devices = np.array(jax.devices()[:8]).reshape(2, 4)
-  mesh = Mesh(devices, ("data", "heads"), axis_types=(AxisType.Explicit,) * 2)
-  spec = P("data", None, "heads", None)
-  q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in _inputs(3, 2, 40, 40, 8, 4, 16)[:3])
-  attn = lambda q, k, v: flash_attention(q, k, v, implementation="pallas_gpu",
-                                         block_sizes=BlockSizes(block_q=64, block_k=64))
-  sharded = jax.jit(jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                                  check_vma=False))
-  counts = _pallas_calls_outside_and_inside(jax.make_jaxpr(sharded)(q, k, v).jaxpr)
-  assert counts == {"outside": 0, "inside": 1}, counts
-  np.testing.assert_allclose(sharded(q, k, v), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+    """8 devices as (data=2, heads=4): each shard holds 1 batch row, 2 query heads and their 1 KV head
+    (contiguous GQA groups), so attention is shard-local and the kernel must sit inside shard_map."""
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    mesh = Mesh(devices, ("data", "heads"), axis_types=(AxisType.Explicit,) * 2)
+    spec = P("data", None, "heads", None)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in _inputs(3, 2, 40, 40, 8, 4, 16)[:3])
+    attn = lambda q, k, v: flash_attention(
+        q, k, v, implementation="pallas_gpu", block_sizes=BlockSizes(block_q=64, block_k=64)
+    )
+    sharded = jax.jit(jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False))
+    counts = _pallas_calls_outside_and_inside(jax.make_jaxpr(sharded)(q, k, v).jaxpr)
+    assert counts == {"outside": 0, "inside": 1}, counts
+    np.testing.assert_allclose(sharded(q, k, v), attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_auto_on_cpu_is_the_xla_path_and_interpret_logs_once(caplog, monkeypatch):
-  q, k, v, _ = _inputs(4, 1, 20, 20, 2, 2, 8)
-  np.testing.assert_array_equal(flash_attention(q, k, v), flash_attention(q, k, v, implementation="xla"))
-  monkeypatch.setattr(fa_api, "_warned_interpret", False)
-  with caplog.at_level(logging.WARNING, logger=fa_api.__name__):
-    for _ in range(2):
-      out = flash_attention(q, k, v, implementation="pallas")
-  assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1
-  np.testing.assert_allclose(out, attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+    q, k, v, _ = _inputs(4, 1, 20, 20, 2, 2, 8)
+    np.testing.assert_array_equal(flash_attention(q, k, v), flash_attention(q, k, v, implementation="xla"))
+    monkeypatch.setattr(fa_api, "_warned_interpret", False)
+    with caplog.at_level(logging.WARNING, logger=fa_api.__name__):
+        for _ in range(2):
+            out = flash_attention(q, k, v, implementation="pallas")
+    assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1
+    np.testing.assert_allclose(out, attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,shapes,match", [
-    (dict(implementation="triton"), None, "valid: auto, xla, pallas"),
-    ({}, ((1, 8, 6, 16), (1, 8, 4, 16)), "multiple of key/value heads"),
-    ({}, ((1, 8, 4, 16), (1, 8, 2, 32)), "head_dim mismatch"),
-    (dict(q_offset=-1), None, "q_offset"),
-    ({}, ((1, 8, 4), (1, 8, 2, 16)), "4-D"),
-])
+@pytest.mark.parametrize(
+    "kwargs,shapes,match",
+    [
+        (dict(implementation="triton"), None, "valid: auto, xla, pallas"),
+        ({}, ((1, 8, 6, 16), (1, 8, 4, 16)), "multiple of key/value heads"),
+        ({}, ((1, 8, 4, 16), (1, 8, 2, 32)), "head_dim mismatch"),
+        (dict(q_offset=-1), None, "q_offset"),
+        ({}, ((1, 8, 4), (1, 8, 2, 16)), "4-D"),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(kwargs, shapes, match):
-  qs, ks = shapes or ((1, 8, 4, 16), (1, 8, 2, 16))
-  q, k = jnp.zeros(qs), jnp.zeros(ks)
-  with pytest.raises(ValueError, match=match):
-    flash_attention(q, k, k, **kwargs)
-  with pytest.raises(ValueError, match="share a dtype"):
-    flash_attention(jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16), jnp.bfloat16),
-                    jnp.zeros((1, 8, 2, 16), jnp.bfloat16))
+    qs, ks = shapes or ((1, 8, 4, 16), (1, 8, 2, 16))
+    q, k = jnp.zeros(qs), jnp.zeros(ks)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k, **kwargs)
+    with pytest.raises(ValueError, match="share a dtype"):
+        flash_attention(
+            jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16), jnp.bfloat16), jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+        )
 
 
 def _lowering_check(platform_impl):
-  q, k, v, do = _inputs(5, 2, 300, 300, 8, 2, 64)
-  q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
-  got = _fwd_and_grads(lambda *a: flash_attention(*a, implementation=platform_impl), q, k, v, do)
-  oracle = _fwd_and_grads(lambda *a: attention_reference(*a), *(x.astype(F32) for x in (q, k, v, do)))
-  ref = _fwd_and_grads(lambda *a: attention_reference(*a), q, k, v, do)
-  for name, g, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
-    err_ref = float(jnp.linalg.norm(r.astype(F32) - o))
-    assert float(jnp.linalg.norm(g.astype(F32) - o)) <= 2 * err_ref, name
+    q, k, v, do = _inputs(5, 2, 300, 300, 8, 2, 64)
+    q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
+    got = _fwd_and_grads(lambda *a: flash_attention(*a, implementation=platform_impl), q, k, v, do)
+    oracle = _fwd_and_grads(lambda *a: attention_reference(*a), *(x.astype(F32) for x in (q, k, v, do)))
+    ref = _fwd_and_grads(lambda *a: attention_reference(*a), q, k, v, do)
+    for name, g, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
+        err_ref = float(jnp.linalg.norm(r.astype(F32) - o))
+        assert float(jnp.linalg.norm(g.astype(F32) - o)) <= 2 * err_ref, name
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_triton_lowering_on_gpu():
-  _lowering_check("pallas_gpu")
+    _lowering_check("pallas_gpu")
 
 
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
 def test_mosaic_lowering_on_tpu():
-  _lowering_check("pallas_tpu")
+    _lowering_check("pallas_tpu")

@@ -5,6 +5,7 @@ saving and the custom_vjp backward are right (the same kernel bodies run on CPU)
 that Triton / Mosaic lower them; the tests marked "needs a GPU"/"needs a TPU" do that on such machines
 (bench/gpu_check_gated_delta.py is the fuller GPU check).
 """
+
 import inspect
 
 import jax
@@ -12,10 +13,17 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step, naive_gated_delta_rule
-from pallas_kernels.gated_delta import chunk_math, pallas_gpu, pallas_tpu
+from pallas_kernels.gated_delta import (
+    chunk_gated_delta_rule,
+    chunk_math,
+    gated_delta_rule_step,
+    naive_gated_delta_rule,
+    pallas_gpu,
+    pallas_tpu,
+)
 
 
 def make_inputs(B, T, H, K, V, seed=0, unit_keys=True, dtype=jnp.float32):
@@ -33,10 +41,12 @@ def make_inputs(B, T, H, K, V, seed=0, unit_keys=True, dtype=jnp.float32):
 
 def weighted_loss(fn):
     """A loss that touches every output element with a distinct weight (so no gradient cancels)."""
+
     def loss(q, k, v, g, beta, s0):
         o, s = fn(q, k, v, g, beta, s0)
         w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
         return jnp.sum(o.astype(jnp.float32) * w) + 0.3 * jnp.sum(jnp.sin(s))
+
     return loss
 
 
@@ -48,10 +58,9 @@ def runner(implementation, *, chunk_size=64, l2=False, **extra):
         if extra:  # direct backend call with non-default tiling
             mod = pallas_gpu if implementation == "pallas_gpu" else pallas_tpu
             f = getattr(mod, f"chunk_gated_delta_rule_{implementation}")
-            return f(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=chunk_size, interpret=True,
-                     **kw, **extra)
-        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation=implementation,
-                                      **kw)
+            return f(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=chunk_size, interpret=True, **kw, **extra)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation=implementation, **kw)
+
     return fn
 
 
@@ -76,8 +85,9 @@ def test_xla_matches_naive(l2, with_state):
         assert s.shape == (2, 2, 16, 8) and s.dtype == jnp.float32
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
-        o2, none = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation="xla",
-                                          initial_state=s0, use_qk_l2norm=l2)
+        o2, none = chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size=chunk_size, implementation="xla", initial_state=s0, use_qk_l2norm=l2
+        )
         assert none is None
         np.testing.assert_array_equal(o2, o)
 
@@ -127,12 +137,12 @@ def test_long_sequence_65536():
 @pytest.mark.parametrize("l2", [False, True])
 def test_step_iterated_matches_naive(l2):
     q, k, v, g, beta, s0 = make_inputs(2, 20, 3, 16, 8, seed=5, unit_keys=not l2)
-    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                          use_qk_l2norm=l2, scale=0.3)
+    o_ref, s_ref = naive_gated_delta_rule(
+        q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=l2, scale=0.3
+    )
     s, outs = s0, []
     for t in range(q.shape[1]):
-        o_t, s = gated_delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s, scale=0.3,
-                                       use_qk_l2norm=l2)
+        o_t, s = gated_delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s, scale=0.3, use_qk_l2norm=l2)
         outs.append(o_t)
     np.testing.assert_allclose(jnp.stack(outs, 1), o_ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
@@ -192,9 +202,17 @@ def test_pallas_bf16_within_reference_error():
 
 
 @settings(max_examples=4, deadline=None)
-@given(B=st.integers(1, 2), T=st.integers(1, 80), H=st.integers(1, 2), K=st.sampled_from([8, 16, 24]),
-       V=st.sampled_from([4, 16, 20]), chunk=st.sampled_from([16, 32]), l2=st.booleans(), with_state=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 2),
+    T=st.integers(1, 80),
+    H=st.integers(1, 2),
+    K=st.sampled_from([8, 16, 24]),
+    V=st.sampled_from([4, 16, 20]),
+    chunk=st.sampled_from([16, 32]),
+    l2=st.booleans(),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_random_shapes(B, T, H, K, V, chunk, l2, with_state, seed):
     q, k, v, g, beta, s0 = make_inputs(B, T, H, K, V, seed=seed, unit_keys=not l2)
     kw = dict(initial_state=s0 if with_state else None, output_final_state=True, use_qk_l2norm=l2)
@@ -212,7 +230,7 @@ def _find_eqns(jaxpr, name, inside=False, found=None):
         if eqn.primitive.name == name:
             found.append(inside)
         for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
                 sub = getattr(sub, "jaxpr", sub)
                 if isinstance(sub, jax.extend.core.Jaxpr):
                     _find_eqns(sub, name, inside or eqn.primitive.name == "shard_map", found)
@@ -222,6 +240,7 @@ def _find_eqns(jaxpr, name, inside=False, found=None):
 def test_pallas_inside_shard_map():
     """Pallas custom calls cannot be auto-partitioned: sharded use wraps the kernel in shard_map."""
     from jax.sharding import PartitionSpec as P
+
     mesh = jax.make_mesh((4, 2), ("data", "heads"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     args = make_inputs(4, 40, 2, 16, 16, seed=9)
     spec4, spec3 = P("data", None, "heads", None), P("data", None, "heads")
@@ -229,10 +248,13 @@ def test_pallas_inside_shard_map():
     q, k, v, g, beta, s0 = (jax.device_put(x, jax.NamedSharding(mesh, s)) for x, s in zip(args, specs))
 
     def kernel(q, k, v, g, beta, s0):
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                      chunk_size=32, implementation="pallas")
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32, implementation="pallas"
+        )
 
-    sharded = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=(spec4, P("data", "heads")), check_vma=False))
+    sharded = jax.jit(
+        jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=(spec4, P("data", "heads")), check_vma=False)
+    )
     jaxpr = jax.make_jaxpr(sharded)(q, k, v, g, beta, s0).jaxpr
     where = _find_eqns(jaxpr, "pallas_call")
     assert where and all(where), f"pallas_call outside shard_map: {where}"
@@ -249,15 +271,26 @@ def test_pallas_inside_shard_map():
 def test_matches_transformers_qwen3_next():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next import modeling_qwen3_next as m
+
     torch_fn = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
     assert "use_qk_l2norm_in_kernel" in inspect.signature(torch_fn).parameters
     q, k, v, g, beta, s0 = make_inputs(2, 100, 2, 16, 8, seed=10, unit_keys=False)
     t = lambda x: torch.from_numpy(np.asarray(x))
-    o_t, s_t = torch_fn(t(q), t(k), t(v), t(g), t(beta), chunk_size=64, initial_state=t(s0),
-                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_t, s_t = torch_fn(
+        t(q),
+        t(k),
+        t(v),
+        t(g),
+        t(beta),
+        chunk_size=64,
+        initial_state=t(s0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     for impl in ("xla", "pallas"):
-        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                      use_qk_l2norm=True, implementation=impl)
+        o, s = chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, implementation=impl
+        )
         np.testing.assert_allclose(o, o_t.numpy(), atol=1e-5, rtol=1e-5, err_msg=impl)
         np.testing.assert_allclose(s, s_t.numpy(), atol=1e-5, rtol=1e-5, err_msg=impl)
 
@@ -283,8 +316,9 @@ def test_unit_lower_solve_and_its_vjp_match_solve_triangular(c):
 
     for got, want in zip(chunk_math.unit_lower_solve(a, rhs), ref(a, rhs)):
         assert rel_err(got, want) < 1e-5
-    (da, drhs), (da_ref, drhs_ref) = (jax.grad(loss(f), argnums=(0, 1))(a, rhs)
-                                      for f in (chunk_math.unit_lower_solve, ref))
+    (da, drhs), (da_ref, drhs_ref) = (
+        jax.grad(loss(f), argnums=(0, 1))(a, rhs) for f in (chunk_math.unit_lower_solve, ref)
+    )
     # Only the strictly lower part of A is an input of the solve; autodiff of the reference fills the rest too.
     assert rel_err(da, jnp.tril(da_ref, -1)) < 1e-5
     assert not np.any(np.triu(np.asarray(da)))
@@ -314,6 +348,7 @@ def test_api_validation():
 
 def test_pallas_interpret_is_logged_once(caplog):
     from pallas_kernels.gated_delta import api
+
     if jax.default_backend() in ("gpu", "tpu"):
         pytest.skip("needs a CPU backend (interpret mode)")
     api._logged_interpret = False
@@ -333,6 +368,7 @@ def test_kernels_lower_for_accelerators(platform, monkeypatch):
     PTX generation and Mosaic's layout passes run only on the device; see the GPU/TPU tests below)."""
     if platform == "cuda":  # Triton lowering asks the local device for its compute capability
         from jax._src.pallas.triton import gpu_info as gi
+
         monkeypatch.setattr(gi, "get_gpu_info", lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200))
     impl = "pallas_gpu" if platform == "cuda" else "pallas_tpu"
     mod = pallas_gpu if platform == "cuda" else pallas_tpu
@@ -357,8 +393,9 @@ def test_pallas_gpu_lowering():
     ref, pal = runner("naive", l2=True), runner("pallas_gpu", l2=True)
     for a, b in zip(pal(*args), ref(*args)):
         assert rel_err(a, b) < 1e-4
-    for a, b in zip(jax.grad(weighted_loss(pal), argnums=range(6))(*args),
-                    jax.grad(weighted_loss(ref), argnums=range(6))(*args)):
+    for a, b in zip(
+        jax.grad(weighted_loss(pal), argnums=range(6))(*args), jax.grad(weighted_loss(ref), argnums=range(6))(*args)
+    ):
         assert rel_err(a, b) < 1e-4
 
 
@@ -368,6 +405,7 @@ def test_pallas_tpu_lowering():
     ref, pal = runner("naive", l2=True), runner("pallas_tpu", l2=True)
     for a, b in zip(pal(*args), ref(*args)):
         assert rel_err(a, b) < 1e-4
-    for a, b in zip(jax.grad(weighted_loss(pal), argnums=range(6))(*args),
-                    jax.grad(weighted_loss(ref), argnums=range(6))(*args)):
+    for a, b in zip(
+        jax.grad(weighted_loss(pal), argnums=range(6))(*args), jax.grad(weighted_loss(ref), argnums=range(6))(*args)
+    ):
         assert rel_err(a, b) < 1e-4

@@ -1,4 +1,5 @@
 """Head-map file, ratios, layer-wise maps, HybridConfig validation and cache sizes worked out by hand."""
+
 import json
 
 import jax.numpy as jnp
@@ -8,32 +9,53 @@ from flax import nnx
 from hydrahead_jax.config import ConfigError, ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model, cache_bytes, fa_budget, parse_ratio
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
-                  head_dim=16)
-SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                   num_kv_heads=3, head_dim=64, name="SmolLM2-135M")
+CFG = ModelConfig(
+    vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
+)
+SMOL = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    name="SmolLM2-135M",
+)
 
 
-@pytest.mark.parametrize("ratio,fraction", [("7:1", 1 / 8), ("3:1", 1 / 4), ("1:1", 0.5), ("25%", 0.25),
-                                            ("0.25", 0.25), (0.125, 0.125), ("1:0", 0.0), ("0:1", 1.0),
-                                            (" 100% ", 1.0)])
+@pytest.mark.parametrize(
+    "ratio,fraction",
+    [
+        ("7:1", 1 / 8),
+        ("3:1", 1 / 4),
+        ("1:1", 0.5),
+        ("25%", 0.25),
+        ("0.25", 0.25),
+        (0.125, 0.125),
+        ("1:0", 0.0),
+        ("0:1", 1.0),
+        (" 100% ", 1.0),
+    ],
+)
 def test_parse_ratio(ratio, fraction):
     assert parse_ratio(ratio) == pytest.approx(fraction, abs=1e-15)
 
 
-@pytest.mark.parametrize("ratio", ["0:0", "-1:2", "150%", "1.5", "-0.1", "seven to one", "1:2:3", "", True,
-                                   "nan", "inf:1"])
+@pytest.mark.parametrize(
+    "ratio", ["0:0", "-1:2", "150%", "1.5", "-0.1", "seven to one", "1:2:3", "", True, "nan", "inf:1"]
+)
 def test_parse_ratio_rejects_impossible(ratio):
     with pytest.raises(HeadMapError):
         parse_ratio(ratio)
 
 
 def test_fa_budget():
-    assert fa_budget(SMOL, "7:1", "global") == 11          # round(90 / 8 = 11.25)
-    assert fa_budget(SMOL, "25%", "per_layer") == 1         # round(0.75)
-    assert fa_budget(SMOL, "3:1", "global") == 23           # round(22.5) half up
+    assert fa_budget(SMOL, "7:1", "global") == 11  # round(90 / 8 = 11.25)
+    assert fa_budget(SMOL, "25%", "per_layer") == 1  # round(0.75)
+    assert fa_budget(SMOL, "3:1", "global") == 23  # round(22.5) half up
     with pytest.raises(HeadMapError, match="global"):
-        fa_budget(SMOL, "7:1", "per_layer")                 # 0.375 groups per layer rounds to 0
+        fa_budget(SMOL, "7:1", "per_layer")  # 0.375 groups per layer rounds to 0
     with pytest.raises(HeadMapError, match="allocation"):
         fa_budget(SMOL, "7:1", "per_head")
 
@@ -61,20 +83,27 @@ def test_constructors_and_kv_ratio():
     assert HeadMap.all_fa(CFG).fa_groups == [[0, 1]] * 4 and HeadMap.all_fa(CFG).kv_bytes_ratio() == 1.0
     assert HeadMap.all_la(CFG).fa_groups == [[]] * 4 and HeadMap.all_la(CFG).kv_bytes_ratio() == 0.0
     hm = HeadMap.from_fa_groups(CFG, [[1, 0], [], [1], []], method="retrieval", target_ratio="3:1")
-    assert hm.fa_groups == [[0, 1], [], [1], []]          # sorted on the way in
+    assert hm.fa_groups == [[0, 1], [], [1], []]  # sorted on the way in
     assert hm.kv_bytes_ratio() == 3 / 8
 
 
 def test_save_load_round_trip(tmp_path):
     scores = {"retrieval": [[0.5, 0.25], [0.0, 1.0], [0.125, 0.75], [0.3, 0.1]]}
-    hm = HeadMap.from_fa_groups(CFG, [[0], [1], [], [0, 1]], method="retrieval", target_ratio="1:1",
-                                allocation="global", probe={"prompts": 8, "lengths": [256, 512]}, scores=scores)
+    hm = HeadMap.from_fa_groups(
+        CFG,
+        [[0], [1], [], [0, 1]],
+        method="retrieval",
+        target_ratio="1:1",
+        allocation="global",
+        probe={"prompts": 8, "lengths": [256, 512]},
+        scores=scores,
+    )
     path = tmp_path / "sub" / "head_map.json"
     hm.save(path)
     data = json.loads(path.read_text())
     assert data["format_version"] == 1 and data["granularity"] == "kv_group"
     assert data["model"] == {"name": "custom", "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
-    assert [p.name for p in path.parent.iterdir()] == ["head_map.json"]   # no temporary file left behind
+    assert [p.name for p in path.parent.iterdir()] == ["head_map.json"]  # no temporary file left behind
     loaded = HeadMap.load(path, CFG)
     assert loaded == hm
 
@@ -88,19 +117,22 @@ def _write(tmp_path, **changes):
     return path
 
 
-@pytest.mark.parametrize("changes,match", [
-    (dict(fa_groups=[[0], [1], []]), r"fa_groups has 3 layers but the model has 4"),
-    (dict(fa_groups=[[0], [2], [], []]), r"fa_groups\[1\] contains 2, outside the model's KV groups 0..1"),
-    (dict(fa_groups=[[0, 0], [1], [], []]), r"fa_groups\[0\].*twice"),
-    (dict(fa_groups=[[0.0], [1], [], []]), r"fa_groups\[0\] contains 0.0; KV group indices are integers"),
-    (dict(fa_groups=[[1, 0], [], [], []]), r"not sorted"),
-    (dict(format_version=2), r"format_version 2 is not supported"),
-    (dict(granularity="head"), r"granularity"),
-    (dict(allocation="uniform"), r"allocation"),
-    (dict(target_ratio="0:0"), r"target_ratio"),
-    (dict(scores={"retrieval": [[0.1, 0.2]] * 3}), r"scores\['retrieval'\] must be a \[4\]\[2\] matrix"),
-    (dict(color="red"), r"unknown fields \['color'\]"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(fa_groups=[[0], [1], []]), r"fa_groups has 3 layers but the model has 4"),
+        (dict(fa_groups=[[0], [2], [], []]), r"fa_groups\[1\] contains 2, outside the model's KV groups 0..1"),
+        (dict(fa_groups=[[0, 0], [1], [], []]), r"fa_groups\[0\].*twice"),
+        (dict(fa_groups=[[0.0], [1], [], []]), r"fa_groups\[0\] contains 0.0; KV group indices are integers"),
+        (dict(fa_groups=[[1, 0], [], [], []]), r"not sorted"),
+        (dict(format_version=2), r"format_version 2 is not supported"),
+        (dict(granularity="head"), r"granularity"),
+        (dict(allocation="uniform"), r"allocation"),
+        (dict(target_ratio="0:0"), r"target_ratio"),
+        (dict(scores={"retrieval": [[0.1, 0.2]] * 3}), r"scores\['retrieval'\] must be a \[4\]\[2\] matrix"),
+        (dict(color="red"), r"unknown fields \['color'\]"),
+    ],
+)
 def test_load_errors_name_file_and_field(tmp_path, changes, match):
     path = _write(tmp_path, **changes)
     with pytest.raises(HeadMapError, match=match) as info:
@@ -124,9 +156,14 @@ def test_load_shape_mismatch_and_bad_files(tmp_path):
 def test_hybrid_config_validation_and_round_trip():
     hc = HybridConfig(fusion="la_only", fusion_granularity="channel", use_conv=False)
     assert HybridConfig.from_dict(hc.to_dict()) == hc
-    for bad, match in [(dict(fusion="sum"), "fusion"), (dict(fusion_granularity="layer"), "fusion_granularity"),
-                       (dict(conv_size=1), "conv_size"), (dict(gdn_chunk_size=48), "power of two"),
-                       (dict(gdn_implementation="cuda"), "gdn_implementation"), (dict(use_conv="yes"), "use_conv")]:
+    for bad, match in [
+        (dict(fusion="sum"), "fusion"),
+        (dict(fusion_granularity="layer"), "fusion_granularity"),
+        (dict(conv_size=1), "conv_size"),
+        (dict(gdn_chunk_size=48), "power of two"),
+        (dict(gdn_implementation="cuda"), "gdn_implementation"),
+        (dict(use_conv="yes"), "use_conv"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             HybridConfig(**bad)
     with pytest.raises(ConfigError, match=r"Unknown HybridConfig fields \['colour'\]"):
@@ -137,10 +174,10 @@ def test_cache_bytes_by_hand():
     # CFG: D=16, G=2 query heads per KV group. Map: layer FA groups 2, 1, 0, 0 → LA groups 0, 1, 2, 2.
     hm = HeadMap.from_fa_groups(CFG, [[0, 1], [1], [], []], method="test")
     got = cache_bytes(CFG, hm, context_len=100, batch=3, dtype=jnp.bfloat16)
-    kv = 3 * 2 * (2 + 1) * 16 * 2                                   # batch · (k,v) · FA groups · D · bytes
-    la_heads = 2 + 4 + 4                                            # LA query heads per layer: 2, 4, 4
-    gdn = 3 * la_heads * 16 * 16 * 4                                # fp32 state D×D per LA head
-    conv = 3 * 3 * ((2 + 2) + (4 + 4) + (4 + 4)) * 16 * 2           # (W−1) · (q heads + 2 kv heads) · D · bytes
+    kv = 3 * 2 * (2 + 1) * 16 * 2  # batch · (k,v) · FA groups · D · bytes
+    la_heads = 2 + 4 + 4  # LA query heads per layer: 2, 4, 4
+    gdn = 3 * la_heads * 16 * 16 * 4  # fp32 state D×D per LA head
+    conv = 3 * 3 * ((2 + 2) + (4 + 4) + (4 + 4)) * 16 * 2  # (W−1) · (q heads + 2 kv heads) · D · bytes
     assert got == {"kv_bytes_per_token": kv, "state_bytes": gdn + conv, "total_bytes": kv * 100 + gdn + conv}
     # Teacher: every group FA, no state.
     teacher = cache_bytes(CFG, context_len=10, dtype=jnp.float32)

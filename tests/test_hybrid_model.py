@@ -1,5 +1,6 @@
 """HydraHead students on tiny random teachers: exact weight reuse, the LA path against a numpy recurrence written
 from the DESIGN equations, fusion, prefill + decode == full forward, bf16, and the distance to the teacher at init."""
+
 import functools
 
 import jax
@@ -14,8 +15,18 @@ from hydrahead_jax.models.attention import Attention
 from hydrahead_jax.models.generate import generate
 from hydrahead_jax.models.transformer import Transformer
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-                  head_dim=16, qk_norm=True, attention_bias=True, rms_norm_eps=1e-5)
+CFG = ModelConfig(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    attention_bias=True,
+    rms_norm_eps=1e-5,
+)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -48,7 +59,7 @@ def perturb(model, filt, seed, scale=0.3):
     nnx.update(model, nnx.from_flat_state(flat))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _random_teacher(cfg, seed):
     teacher = Transformer(cfg, rngs=nnx.Rngs(seed))
     perturb(teacher, nnx.Param, seed + 100, scale=0.1)  # biases and norm weights away from 0 and 1
@@ -66,10 +77,12 @@ def ids_of(shape, seed=1, vocab=CFG.vocab_size):
 
 def _kl(p_logits, q_logits):
     """Mean over tokens of KL(p ‖ q) in nats, float64."""
+
     def log_softmax(x):
         x = np.asarray(x, np.float64)
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
     lp, lq = log_softmax(p_logits), log_softmax(q_logits)
     return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
 
@@ -99,7 +112,15 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
     # ... and the new parameters are exactly the GDN and fusion ones of the hybrid layers (layers 1 and 2).
     assert new_paths and all(("gdn" in p or "fusion" in p) and p[1] in (1, 2) for p in new_paths)
     assert {p[-2] if p[-1] in ("kernel", "bias") else p[-1] for p in new_paths} == {
-        "a_proj", "b_proj", "A_log", "dt_bias", "conv_weight", "z_proj", "o_norm_weight", "gamma"}
+        "a_proj",
+        "b_proj",
+        "A_log",
+        "dt_bias",
+        "conv_weight",
+        "z_proj",
+        "o_norm_weight",
+        "gamma",
+    }
     assert not hasattr(hybrid.layers[0].self_attn, "gdn")  # an all-FA layer stays the teacher's layer
 
     s_logits = forward(hybrid, ids)
@@ -129,7 +150,7 @@ def _rope(x, positions, theta):
     d = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
     ang = positions[:, :, None, None] * inv
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], axis=-1)
 
 
@@ -163,9 +184,9 @@ def naive_la_attention(attn, x, hc):
                 s = t - (W - 1) + j
                 if s >= 0:
                     conv[:, t] += w[j] * chans[:, s]
-        q = conv[..., :H * D].reshape(B, T, H, D)
-        k = conv[..., H * D:(H + Hkv) * D].reshape(B, T, Hkv, D)
-        v = conv[..., (H + Hkv) * D:].reshape(B, T, Hkv, D)
+        q = conv[..., : H * D].reshape(B, T, H, D)
+        k = conv[..., H * D : (H + Hkv) * D].reshape(B, T, Hkv, D)
+        v = conv[..., (H + Hkv) * D :].reshape(B, T, Hkv, D)
     if hc.la_rope:
         pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
         q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
@@ -181,7 +202,7 @@ def naive_la_attention(attn, x, hc):
                 vt = v[b, t, h // G]
                 a, bt = alpha[b, t, h], beta[b, t, h]
                 S = (np.eye(D) - bt * np.outer(kt, kt)) @ (a * S) + bt * np.outer(kt, vt)
-                out[b, t, h] = S.T @ qt * D ** -0.5
+                out[b, t, h] = S.T @ qt * D**-0.5
     if hc.use_output_gate:
         z = (x @ _np(gdn.z_proj.kernel) + _np(gdn.z_proj.bias)).reshape(B, T, H, D)
         out = _rms_norm(out, _np(gdn.o_norm_weight), cfg.rms_norm_eps) * _silu(z)
@@ -191,9 +212,14 @@ def naive_la_attention(attn, x, hc):
     return out.reshape(B, T, H * D) @ _np(attn.o_proj.kernel)
 
 
-@pytest.mark.parametrize("hc", [HybridConfig(), HybridConfig(use_conv=False, use_output_gate=False, la_rope=True,
-                                                             fusion="none", gdn_chunk_size=16)],
-                         ids=["conv-gate-fusion", "bare-rope"])
+@pytest.mark.parametrize(
+    "hc",
+    [
+        HybridConfig(),
+        HybridConfig(use_conv=False, use_output_gate=False, la_rope=True, fusion="none", gdn_chunk_size=16),
+    ],
+    ids=["conv-gate-fusion", "bare-rope"],
+)
 def test_la_path_matches_naive_recurrence(hc):
     cfg = CFG.replace(num_layers=1)
     model = build_model(cfg, HeadMap.all_la(cfg), hc, nnx.Rngs(3))
@@ -216,6 +242,7 @@ def test_la_path_matches_naive_recurrence(hc):
 def test_causal_conv_values_and_gradients_match_xla_conv(with_state):
     """The hand-written conv VJP against autodiff of XLA's depthwise convolution (feature_group_count = C)."""
     from hydrahead_jax.hybrid.gdn import causal_depthwise_conv
+
     kx, kw, ks, kd = jax.random.split(jax.random.key(7), 4)
     B, T, C, W = 2, 37, 6, 4
     x = jax.random.normal(kx, (B, T, C))
@@ -224,10 +251,16 @@ def test_causal_conv_values_and_gradients_match_xla_conv(with_state):
     dy = jax.random.normal(kd, (B, T, C))
 
     def ref(x, w, state):
-        padded = jnp.concatenate([state, x], axis=1)                      # [B, W−1+T, C]
-        y = jax.lax.conv_general_dilated(padded, w[:, None, :], window_strides=(1,), padding="VALID",
-                                         dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=C,
-                                         precision=jax.lax.Precision.HIGHEST)
+        padded = jnp.concatenate([state, x], axis=1)  # [B, W−1+T, C]
+        y = jax.lax.conv_general_dilated(
+            padded,
+            w[:, None, :],
+            window_strides=(1,),
+            padding="VALID",
+            dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=C,
+            precision=jax.lax.Precision.HIGHEST,
+        )
         return y, padded[:, T:]
 
     def ours(x, w, state):
@@ -250,8 +283,9 @@ def naive_teacher_heads(teacher, ids):
     attn = teacher.layers[0].self_attn
     B, T = ids.shape
     H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
-    x = _rms_norm(_np(teacher.embed_tokens.embedding)[ids], _np(teacher.layers[0].input_layernorm.weight),
-                  cfg.rms_norm_eps)
+    x = _rms_norm(
+        _np(teacher.embed_tokens.embedding)[ids], _np(teacher.layers[0].input_layernorm.weight), cfg.rms_norm_eps
+    )
     q = (x @ _np(attn.q_proj.kernel) + _np(attn.q_proj.bias)).reshape(B, T, H, D)
     k = (x @ _np(attn.k_proj.kernel) + _np(attn.k_proj.bias)).reshape(B, T, -1, D)
     v = (x @ _np(attn.v_proj.kernel) + _np(attn.v_proj.bias)).reshape(B, T, -1, D)
@@ -260,7 +294,7 @@ def naive_teacher_heads(teacher, ids):
     pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
     q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
     k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-    s = np.einsum("bthd,bshd->bhts", q, k) * D ** -0.5
+    s = np.einsum("bthd,bshd->bhts", q, k) * D**-0.5
     s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -273,15 +307,18 @@ def test_fusion_modes_and_calibration(fusion, granularity):
     teacher = random_teacher(cfg, seed=4)
     ids = ids_of((2, 24), seed=3)
     hc = HybridConfig(fusion=fusion, fusion_granularity=granularity)
-    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[1]], method="test"), hc,
-                            calibration_ids=ids)
+    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[1]], method="test"), hc, calibration_ids=ids)
     attn = student.layers[0].self_attn
     x, teacher_heads = naive_teacher_heads(teacher, ids)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
-    heads = np.asarray(jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).hybrid_heads(x, positions, None, None)[0])(
-        nnx.state(attn), jnp.asarray(x, jnp.float32)), np.float64)
+    heads = np.asarray(
+        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).hybrid_heads(x, positions, None, None)[0])(
+            nnx.state(attn), jnp.asarray(x, jnp.float32)
+        ),
+        np.float64,
+    )
     fa, la = [2, 3], [0, 1]  # FA group 1 = query heads 2, 3
-    rms = np.sqrt(np.mean(heads ** 2, axis=-1))  # [B,T,H] per-token RMS of every head
+    rms = np.sqrt(np.mean(heads**2, axis=-1))  # [B,T,H] per-token RMS of every head
     if fusion == "none":
         assert attn.fusion is None
         np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)
@@ -289,7 +326,7 @@ def test_fusion_modes_and_calibration(fusion, granularity):
     gamma = np.asarray(attn.fusion.gamma[...], np.float64)
     # γ initialised to the teacher's measured output RMS over the batch, computed here by hand.
     axes = (0, 1, 3) if granularity == "head" else (0, 1)
-    measured = np.sqrt(np.mean(teacher_heads ** 2, axis=axes))
+    measured = np.sqrt(np.mean(teacher_heads**2, axis=axes))
     touched = la if fusion == "la_only" else [0, 1, 2, 3]
     assert attn.fusion.heads == tuple(touched)
     np.testing.assert_allclose(gamma, measured[touched], rtol=1e-5)
@@ -301,15 +338,15 @@ def test_fusion_modes_and_calibration(fusion, granularity):
         np.testing.assert_allclose(rms, np.broadcast_to(gamma, rms.shape), rtol=1e-4)
         # FA heads: the teacher's output direction, rescaled to γ per token.
         t_fa = teacher_heads[:, :, fa]
-        want = t_fa / np.sqrt(np.mean(t_fa ** 2, -1, keepdims=True) + cfg.rms_norm_eps) * gamma[fa][:, None]
+        want = t_fa / np.sqrt(np.mean(t_fa**2, -1, keepdims=True) + cfg.rms_norm_eps) * gamma[fa][:, None]
         np.testing.assert_allclose(heads[:, :, fa], want, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------ decode cache
 VARIANTS = {
     "teacher": None,
-    "hydrahead": [[0, 1], [], [1]],      # per-layer FA counts 2, 0, 1
-    "layerwise": "layerwise",            # FA layer 2 only; LA layers with RoPE, la_only channel fusion
+    "hydrahead": [[0, 1], [], [1]],  # per-layer FA counts 2, 0, 1
+    "layerwise": "layerwise",  # FA layer 2 only; LA layers with RoPE, la_only channel fusion
     "all_la": [[], [], []],
 }
 
@@ -321,13 +358,19 @@ def test_prefill_plus_decode_equals_full_forward(variant):
     if spec is None:
         model = teacher
     else:
-        hm = (HeadMap.layerwise(CFG, fa_layers=[2]) if spec == "layerwise"
-              else HeadMap.from_fa_groups(CFG, spec, method="test"))
-        hc = (HybridConfig(la_rope=True, fusion="la_only", fusion_granularity="channel") if spec == "layerwise"
-              else HybridConfig())
+        hm = (
+            HeadMap.layerwise(CFG, fa_layers=[2])
+            if spec == "layerwise"
+            else HeadMap.from_fa_groups(CFG, spec, method="test")
+        )
+        hc = (
+            HybridConfig(la_rope=True, fusion="la_only", fusion_granularity="channel")
+            if spec == "layerwise"
+            else HybridConfig()
+        )
         model = build_student(teacher, hm, hc)
         perturb(model, new_param_filter, 9, scale=0.5)  # non-trivial decays, gates, conv taps and scales
-    prompt = ids_of((2, 66), seed=5)                      # prefill crosses the chunk boundary at 64
+    prompt = ids_of((2, 66), seed=5)  # prefill crosses the chunk boundary at 64
     new, logits = generate(model, prompt, 64, return_logits=True)  # decode crosses 128
     full = forward(model, np.concatenate([prompt, new[:, :-1]], axis=1))
     np.testing.assert_allclose(logits, full[:, 65:], atol=1e-4, rtol=0)
@@ -347,12 +390,13 @@ def test_bf16_params_and_compute_run_without_nan():
     cfg = CFG.replace(num_layers=2, param_dtype="bfloat16", dtype="bfloat16")
     teacher = random_teacher(cfg)
     ids = ids_of((2, 70), seed=6)
-    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[0], []], method="test"), HybridConfig(),
-                            calibration_ids=ids)
+    student = build_student(
+        teacher, HeadMap.from_fa_groups(cfg, [[0], []], method="test"), HybridConfig(), calibration_ids=ids
+    )
     assert student.layers[1].self_attn.gdn.A_log.dtype == jnp.bfloat16
-    assert all(np.isfinite(np.asarray(f.gamma[...], np.float32)).all() and (np.asarray(f.gamma[...]) > 0).all()
-               for f in (student.layers[1].self_attn.fusion, student.layers[0].self_attn.fusion))
+    assert all(
+        np.isfinite(np.asarray(f.gamma[...], np.float32)).all() and (np.asarray(f.gamma[...]) > 0).all()
+        for f in (student.layers[1].self_attn.fusion, student.layers[0].self_attn.fusion)
+    )
     _, logits = generate(student, ids, 30, return_logits=True)  # chunked prefill over 70 tokens, then decode
     assert logits.dtype == np.float32 and np.isfinite(logits).all() and logits.std() > 0
-
-

@@ -1,11 +1,12 @@
 """Checkpoint readers against transformers: tiny random Llama / Qwen2 / Qwen3 folders and GGUF files."""
+
 import json
 import shutil
 
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from hydrahead_jax.models import loaders
 from hydrahead_jax.models.loaders import CheckpointError, read_gguf, read_hf_folder, resolve_source
 
@@ -18,8 +19,9 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     out = {}
     for arch in ARCHS:
-        folder = oracle.save_tiny_hf_model(root / arch, arch, seed=ARCHS.index(arch),
-                                           max_shard_size="40KB" if arch == "llama" else None)
+        folder = oracle.save_tiny_hf_model(
+            root / arch, arch, seed=ARCHS.index(arch), max_shard_size="40KB" if arch == "llama" else None
+        )
         out[arch] = (folder, oracle.load_torch_model(folder))
     return out
 
@@ -83,8 +85,9 @@ def test_gguf_tensors_unpermuted_back_to_hf_layout(tiny, tmp_path, arch):
     path = oracle.write_tiny_gguf(tmp_path / f"{arch}.gguf", ref, arch)
     cfg, tensors = read_gguf(path)
     hf_cfg, hf_tensors = read_hf_folder(folder)
-    assert cfg.replace(name="", rms_norm_eps=hf_cfg.rms_norm_eps, max_position_embeddings=256) == \
-        hf_cfg.replace(name="", max_position_embeddings=256)
+    assert cfg.replace(name="", rms_norm_eps=hf_cfg.rms_norm_eps, max_position_embeddings=256) == hf_cfg.replace(
+        name="", max_position_embeddings=256
+    )
     assert cfg.name == f"tiny-{arch}" and cfg.rms_norm_eps == pytest.approx(1e-6)
     assert set(tensors) == set(hf_tensors)
     for name, value in hf_tensors.items():
@@ -95,6 +98,7 @@ def test_gguf_tensors_unpermuted_back_to_hf_layout(tiny, tmp_path, arch):
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
+
 
 def test_missing_sources(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -119,8 +123,11 @@ def test_unsupported_architecture_in_config_json(tiny, tmp_path):
     folder, hf = _copy(tiny, "qwen2", tmp_path / "m")
     hf["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(CheckpointError, match=r"config\.json: architecture 'GPT2LMHeadModel' is not supported.*"
-                                              r"LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: architecture 'GPT2LMHeadModel' is not supported.*"
+        r"LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
+    ):
         read_hf_folder(folder)
 
 
@@ -136,8 +143,11 @@ def test_tensor_shapes_disagreeing_with_config(tiny, tmp_path):
     folder, hf = _copy(tiny, "qwen3", tmp_path / "m")
     hf["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(CheckpointError, match=r"m: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
-                                              r"\(128, 64\) but the config implies \(96, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"m: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
+        r"\(128, 64\) but the config implies \(96, 64\)",
+    ):
         read_hf_folder(folder)
 
 
@@ -148,8 +158,12 @@ def test_missing_tensor_and_missing_shard(tiny, tmp_path):
     (folder / shard).unlink()
     with pytest.raises(CheckpointError, match=f"names shard {shard}, which is missing"):
         read_hf_folder(folder)
-    (folder / "model.safetensors.index.json").unlink()  # remaining shards are globbed; the lost one's tensors are missing
-    with pytest.raises(CheckpointError, match=r"m: the tensors do not match the config .*Missing: \[[^]]*'model\.norm\.weight'\]"):
+    (
+        folder / "model.safetensors.index.json"
+    ).unlink()  # remaining shards are globbed; the lost one's tensors are missing
+    with pytest.raises(
+        CheckpointError, match=r"m: the tensors do not match the config .*Missing: \[[^]]*'model\.norm\.weight'\]"
+    ):
         read_hf_folder(folder)
 
 
@@ -191,4 +205,3 @@ def test_bfloat16_load_is_as_close_as_transformers_own_bfloat16(tiny):
     ref_err = np.abs(torch_bf16 - exact).max()
     assert 0 < ref_err < 0.5
     assert np.abs(ours - exact).max() <= 2 * ref_err
-

@@ -1,10 +1,11 @@
 """The real SmolLM2-135M teacher (GGUF, Q4_1) against transformers loading the same file."""
+
 import jax
 import numpy as np
+import oracle
 import pytest
 from flax import nnx
 
-import oracle
 from hydrahead_jax.models.loaders import resolve_source
 from hydrahead_jax.models.pretrained import load_pretrained
 
@@ -71,15 +72,21 @@ def batch(teacher):
     assert max(lengths) <= PAD_TO
     ids = np.full((len(rows), PAD_TO), tok.eos_id, np.int32)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
+        ids[i, : len(r)] = r
     logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
     return ids, lengths, logits
 
 
 def test_config_of_the_real_teacher(teacher):
     cfg = teacher[0].cfg
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-        ("llama", 30, 576, 9, 3, 64)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert (cfg.vocab_size, cfg.intermediate_size, cfg.rope_theta) == (49152, 1536, 100000.0)
     assert cfg.tie_word_embeddings and not cfg.rope_interleaved
     assert cfg.rms_norm_eps == pytest.approx(1e-5)
@@ -105,7 +112,7 @@ def _nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def test_perplexity_on_held_out_text(batch):
     ids, n, logits = batch
-    nll = [_nll(logits[r, :n[r]], ids[r, :n[r]]) for r in range(4)]
+    nll = [_nll(logits[r, : n[r]], ids[r, : n[r]]) for r in range(4)]
     ppl = float(np.exp(np.concatenate(nll[1:3]).mean()))
     # ~300 would mean the Q/K rows kept llama.cpp's interleaved layout under half-split RoPE.
     assert 10 <= ppl <= 60, f"perplexity {ppl:.1f}"

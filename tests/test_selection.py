@@ -3,6 +3,7 @@
 The reference forward below is written independently of hydrahead_jax.selection.probes: plain per-layer code with
 KV heads repeated per query head (HF's repeat_kv), full T×T softmax, and head outputs overwritten in place.
 """
+
 import json
 import os
 
@@ -17,11 +18,27 @@ from hydrahead_jax.hybrid.head_map import HeadMap
 from hydrahead_jax.models import Transformer
 from hydrahead_jax.selection import probes
 from hydrahead_jax.selection.plot import plot_scores
-from hydrahead_jax.selection.select import (SelectionConfig, SelectionError, combine_scores, fa_count,
-                                            rank_normalise, run_selection, select_fa_groups, validate_config)
+from hydrahead_jax.selection.select import (
+    SelectionConfig,
+    SelectionError,
+    combine_scores,
+    fa_count,
+    rank_normalise,
+    run_selection,
+    select_fa_groups,
+    validate_config,
+)
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=6, num_kv_heads=3,
-                  head_dim=8, max_position_embeddings=256)
+CFG = ModelConfig(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=3,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +66,7 @@ def reference_forward(model, ids, edit=None):
         q, k, v = attn.project(layer.input_layernorm(h), pos)
         k = jnp.repeat(k, cfg.group_size, axis=2)
         v = jnp.repeat(v, cfg.group_size, axis=2)
-        s = jnp.einsum("bthd,bshd->bhts", q, k) * cfg.head_dim ** -0.5
+        s = jnp.einsum("bthd,bshd->bhts", q, k) * cfg.head_dim**-0.5
         s = jnp.where(np.tril(np.ones((t, t), bool)), s, -jnp.inf)
         p = jax.nn.softmax(s, -1)
         heads = jnp.einsum("bhts,bshd->bthd", p, v)
@@ -70,14 +87,19 @@ def answer_logp(logits, batch):
 
 # ------------------------------------------------------------------------------------------------ forward / argmax
 
+
 def test_probe_forward_matches_reference(model, batch):
     out = probes.run_forward(probes.functional_teacher(model), batch, collect=True)
     logits, ref_probs, ref_heads = reference_forward(model, batch.ids)
-    np.testing.assert_allclose(out["logp"][batch.row_mask],
-                               np.take_along_axis(np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)),
-                                                                     batch.rows[..., None], 1),
-                                                  batch.targets[..., None], -1)[..., 0][batch.row_mask],
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        out["logp"][batch.row_mask],
+        np.take_along_axis(
+            np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), batch.rows[..., None], 1),
+            batch.targets[..., None],
+            -1,
+        )[..., 0][batch.row_mask],
+        atol=2e-5,
+    )
     for l in range(CFG.num_layers):
         expect = np.take_along_axis(ref_probs[l], batch.rows[:, None, :, None], axis=2).argmax(-1)
         np.testing.assert_array_equal(out["argmax"][l], expect)
@@ -106,10 +128,10 @@ def _copy_head_model(head: int):
     d, hd = CFG.head_dim, CFG.head_dim
     wq = np.array(m.layers[0].self_attn.q_proj.kernel[...])
     wk = np.array(m.layers[0].self_attn.k_proj.kernel[...])
-    wq[:, head * hd:(head + 1) * hd] = 0.0
+    wq[:, head * hd : (head + 1) * hd] = 0.0
     wq[1, head * hd + d // 2 - 1] = 60.0
     g = head // CFG.group_size
-    wk[:, g * hd:(g + 1) * hd] = 0.0
+    wk[:, g * hd : (g + 1) * hd] = 0.0
     wk[0, g * hd + d // 2 - 1] = 60.0
     m.layers[0].self_attn.q_proj.kernel.set_value(jnp.asarray(wq))
     m.layers[0].self_attn.k_proj.kernel.set_value(jnp.asarray(wk))
@@ -139,6 +161,7 @@ class _Example:
 
 def test_retrieval_score_finds_the_copy_head():
     from hydrahead_jax.models.generate import generate
+
     rng = np.random.default_rng(1)
     base = rng.integers(10, CFG.vocab_size, 30)
     model = _copy_head_model(head=4)
@@ -169,6 +192,7 @@ def test_retrieval_score_finds_the_copy_head():
 
 # ------------------------------------------------------------------------------------------------ ablation
 
+
 @pytest.mark.parametrize("mode", ["zero", "mean"])
 @pytest.mark.parametrize("scope", ["all", "answer"])
 def test_ablation_equals_masked_forward(model, batch, mode, scope):
@@ -181,7 +205,7 @@ def test_ablation_equals_masked_forward(model, batch, mode, scope):
     real = np.arange(t)[None, :] < batch.lengths[:, None]
     gs = CFG.group_size
     for layer, group in [(0, 0), (1, 2), (2, 1)]:
-        heads = ref_heads[layer][..., group * gs:(group + 1) * gs, :]
+        heads = ref_heads[layer][..., group * gs : (group + 1) * gs, :]
         fill = heads[real].mean(0) if mode == "mean" else np.zeros_like(heads[0, 0])
         where = np.ones((len(batch.ids), t), bool)
         if scope == "answer":
@@ -191,7 +215,7 @@ def test_ablation_equals_masked_forward(model, batch, mode, scope):
 
         def edit(l, h, layer=layer, group=group, fill=fill, where=where):
             if l == layer:
-                h[..., group * gs:(group + 1) * gs, :][where] = fill
+                h[..., group * gs : (group + 1) * gs, :][where] = fill
             return h
 
         ablated = answer_logp(reference_forward(model, batch.ids, edit)[0], batch)
@@ -208,7 +232,7 @@ def test_group_ablation_mask_forward(model, batch):
 
     def edit(l, h):
         for g in groups[l]:
-            h[..., 2 * g:2 * g + 2, :] = 0.0
+            h[..., 2 * g : 2 * g + 2, :] = 0.0
         return h
 
     expect = answer_logp(reference_forward(model, batch.ids, edit)[0], batch)
@@ -236,8 +260,11 @@ def test_random_is_seeded_and_layerwise_matches_head_map():
     assert a == b and a != c
     assert sum(map(len, a)) == round(90 / 8) == 11
     cfg = CFG.replace(num_layers=8)
-    assert select_fa_groups(None, ratio="3:1", method="layerwise", layerwise_cfg=cfg) == \
-        HeadMap.layerwise(cfg, ratio="3:1").fa_groups == [[], [], [], [0, 1, 2], [], [], [], [0, 1, 2]]
+    assert (
+        select_fa_groups(None, ratio="3:1", method="layerwise", layerwise_cfg=cfg)
+        == HeadMap.layerwise(cfg, ratio="3:1").fa_groups
+        == [[], [], [], [0, 1, 2], [], [], [], [0, 1, 2]]
+    )
 
 
 def test_rank_normalise_and_combined():
@@ -272,8 +299,13 @@ def test_bad_inputs_fail_before_probing(model, tmp_path):
 
 
 def test_heatmap_written(tmp_path):
-    path = plot_scores({"retrieval": SCORES, "ablation": SCORES[::-1]}, [[1], [2], [], [0]], tmp_path / "h.png",
-                       head_scores=np.repeat(SCORES, 2, axis=1), title="t")
+    path = plot_scores(
+        {"retrieval": SCORES, "ablation": SCORES[::-1]},
+        [[1], [2], [], [0]],
+        tmp_path / "h.png",
+        head_scores=np.repeat(SCORES, 2, axis=1),
+        title="t",
+    )
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 5000
@@ -283,19 +315,31 @@ def test_heatmap_written(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the stage
 
+
 def test_run_selection_end_to_end(tmp_path):
     from hydrahead_jax.data.synthetic import WORDS, Haystack
     from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
+
     rng = np.random.default_rng(0)
     text = [" ".join(rng.choice(WORDS, 12)).capitalize() + "." for _ in range(300)]
-    tok = train_bpe_tokenizer(text + ["The pass key is 12345. Remember it. One of the special magic numbers"],
-                              vocab_size=400)
+    tok = train_bpe_tokenizer(
+        text + ["The pass key is 12345. Remember it. One of the special magic numbers"], vocab_size=400
+    )
     cfg = CFG.replace(vocab_size=tok.vocab_size, num_layers=2, max_position_embeddings=512)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     hay = Haystack(["\n".join(text)], tok)
-    sel = dict(method="combined", ratio="2:1", allocation="per_layer", niah_prompts=2, niah_lengths=(320,),
-               ablation_prompts=2, ablation_length=256, decode="teacher_forced", ablation_scope="all",
-               ablation_mode="zero")
+    sel = dict(
+        method="combined",
+        ratio="2:1",
+        allocation="per_layer",
+        niah_prompts=2,
+        niah_lengths=(320,),
+        ablation_prompts=2,
+        ablation_length=256,
+        decode="teacher_forced",
+        ablation_scope="all",
+        ablation_mode="zero",
+    )
     head_map = run_selection(model, tok, sel, tmp_path, haystack=hay, log=lambda *_: None)
     loaded = HeadMap.load(tmp_path / "head_map.json", cfg)
     assert loaded.fa_groups == head_map.fa_groups and all(len(g) == 1 for g in loaded.fa_groups)

@@ -1,7 +1,8 @@
 """Tokenizers against transformers: SmolLM2 rebuilt from GGUF metadata, and a folder's tokenizer.json."""
-import pytest
 
 import oracle
+import pytest
+
 from hydrahead_jax.models.loaders import CheckpointError, resolve_source
 from hydrahead_jax.models.tokenizer import load_tokenizer
 
@@ -58,8 +59,11 @@ def test_fingerprint_is_stable_and_discriminating(smol, tmp_path):
 
 def test_chat_template_matches_transformers(smol):
     ours, ref = smol
-    messages = [{"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
     text = ours.apply_chat_template(messages)
     assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")

@@ -1,5 +1,6 @@
 """Stage losses against independent computations: numpy for the chunked KL / CE, a hand-written layer loop for
 the stage-1 per-layer MSE."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,20 +34,28 @@ def _setup(b=2, t=13, d=6, v=11, seed=0):
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_chunked_kl_matches_numpy(chunk, temperature):
     hs, ht, ws, wt, mask, _ = _setup()
-    got = losses.chunked_kl(jnp.asarray(hs), jnp.asarray(ht), lambda h: h @ ws, lambda h: h @ wt,
-                            jnp.asarray(mask), chunk=chunk, temperature=temperature)
+    got = losses.chunked_kl(
+        jnp.asarray(hs),
+        jnp.asarray(ht),
+        lambda h: h @ ws,
+        lambda h: h @ wt,
+        jnp.asarray(mask),
+        chunk=chunk,
+        temperature=temperature,
+    )
     log_p = _np_log_softmax((ht @ wt).astype(np.float64) / temperature)
     log_q = _np_log_softmax((hs @ ws).astype(np.float64) / temperature)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
-    want = (kl * mask).sum() / mask.sum() * temperature ** 2
+    want = (kl * mask).sum() / mask.sum() * temperature**2
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [3, 13])
 def test_chunked_ce_matches_numpy(chunk):
     hs, _, ws, _, mask, targets = _setup(seed=1)
-    ce, acc = losses.chunked_cross_entropy(jnp.asarray(hs), lambda h: h @ ws, jnp.asarray(targets),
-                                           jnp.asarray(mask), chunk=chunk)
+    ce, acc = losses.chunked_cross_entropy(
+        jnp.asarray(hs), lambda h: h @ ws, jnp.asarray(targets), jnp.asarray(mask), chunk=chunk
+    )
     z = (hs @ ws).astype(np.float64)
     nll = -np.take_along_axis(_np_log_softmax(z), targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(float(ce), (nll * mask).sum() / mask.sum(), rtol=1e-5)
@@ -69,13 +78,15 @@ def test_chunked_gradients_match_unchunked():
         ce, _ = losses.chunked_cross_entropy(hs, lambda h: h @ w, targets, mask, chunk=4)
         return kl + ce
 
-    np.testing.assert_allclose(jax.grad(chunked)(jnp.asarray(ws)), jax.grad(one_shot)(jnp.asarray(ws)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(chunked)(jnp.asarray(ws)), jax.grad(one_shot)(jnp.asarray(ws)), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_align_loss_equals_hand_written_per_layer_mse():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     teacher = Transformer(cfg, rngs=nnx.Rngs(0))
     head_map = HeadMap.from_fa_groups(cfg, [[0], [], [1]], method="test")
     student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
@@ -108,15 +119,15 @@ def test_align_loss_equals_hand_written_per_layer_mse():
 @pytest.mark.parametrize("kind", ["align", "distil", "long"])
 def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
     """Per-layer rematerialisation changes what the backward pass keeps, not what it computes."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     teacher = Transformer(cfg, rngs=nnx.Rngs(0))
     head_map = HeadMap.from_fa_groups(cfg, [[0], [], [1], []], method="test")
     student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(0, 64, (2, 512)), jnp.int32)
-    batch = {"input_ids": ids, "loss_mask": jnp.ones((2, 512), jnp.float32),
-             "targets": jnp.roll(ids, -1, axis=1)}
+    batch = {"input_ids": ids, "loss_mask": jnp.ones((2, 512), jnp.float32), "targets": jnp.roll(ids, -1, axis=1)}
     # Split as make_train_step does: differentiated and frozen states enter the loss at different trace levels.
     graphdef, params, frozen = nnx.split(student, new_param_filter if kind == "align" else nnx.Param, ...)
     t_graphdef, t_state = nnx.split(teacher)
@@ -127,6 +138,7 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
         def loss(params, frozen, t_state, batch):
             student = nnx.merge(graphdef, params, frozen)
             return compute_loss(student, nnx.merge(t_graphdef, t_state), batch, settings)[0]
+
         return jax.jit(jax.value_and_grad(loss))
 
     plain, remat = make(False), make(True)
@@ -134,8 +146,9 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    temp = [f.lower(params, frozen, t_state, batch).compile().memory_analysis().temp_size_in_bytes
-            for f in (plain, remat)]
+    temp = [
+        f.lower(params, frozen, t_state, batch).compile().memory_analysis().temp_size_in_bytes for f in (plain, remat)
+    ]
     # Stages 2-3 chain the layers, so the backward holds one layer's intermediates at a time (measured 0.57x and
     # 0.44x here). Stage 1's per-layer losses are independent of each other, and XLA is free to schedule their
     # recomputations together: a smaller saving (0.88x here), but still one.
@@ -143,8 +156,9 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
 
 
 def test_remat_refuses_cache_and_intermediates():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     ids = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="remat=True"):

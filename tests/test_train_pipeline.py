@@ -1,4 +1,5 @@
 """The whole tiny pipeline in-process: stage chaining, rerun skips finished stages, export round trip, refusals."""
+
 import json
 
 import jax
@@ -6,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from train_helpers import run_train, tiny_config
+
 from hydrahead_jax import load_hydrahead
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model
@@ -61,7 +62,8 @@ def test_stages_chain_and_log(finished_run):
     c, workdir, final = finished_run
     records = _records(workdir)
     assert [(r["stage"], r["step"]) for r in records] == [
-        (s, i) for s in ("stage1_align", "stage2_distil", "stage3_long") for i in (1, 2, 3)]
+        (s, i) for s in ("stage1_align", "stage2_distil", "stage3_long") for i in (1, 2, 3)
+    ]
     for r in records:
         assert {"loss", "grad_norm", "lr", "tokens_seen", "step_time_s", "tokens_per_s"} <= set(r)
         assert r["tokens_seen"] == r["step"] * 8 * (64 if r["stage"] == "stage3_long" else 32)
@@ -74,8 +76,9 @@ def test_stages_chain_and_log(finished_run):
     cfg, (graphdef, abstract) = _student(c, workdir)
     student = nnx.merge(graphdef, _final_state(workdir, "stage1_align", abstract))
     teacher = Transformer(cfg, rngs=nnx.Rngs(int(c.teacher.seed)))
-    batch = next(make_stage_iterator(c.data, seq_len=32, batch_size=8, seed=int(c.seed) + 2000,
-                                     vocab_size=cfg.vocab_size))
+    batch = next(
+        make_stage_iterator(c.data, seq_len=32, batch_size=8, seed=int(c.seed) + 2000, vocab_size=cfg.vocab_size)
+    )
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     kl, _ = compute_loss(student, teacher, batch, LossSettings(kind="distil", ce_weight=0.0, chunk=16))
     stage2_first = next(r for r in records if r["stage"] == "stage2_distil" and r["step"] == 1)
@@ -85,8 +88,10 @@ def test_stages_chain_and_log(finished_run):
 def test_export_round_trip(finished_run):
     c, workdir, final = finished_run
     assert final == workdir / "final"
-    assert json.loads((final / "head_map.json").read_text())["fa_groups"] == \
-        json.loads((workdir / "head_map.json").read_text())["fa_groups"]
+    assert (
+        json.loads((final / "head_map.json").read_text())["fa_groups"]
+        == json.loads((workdir / "head_map.json").read_text())["fa_groups"]
+    )
     model, tokenizer = load_hydrahead(final)
     assert tokenizer is None  # the random teacher has none
     _, (graphdef, abstract) = _student(c, workdir)
@@ -120,8 +125,9 @@ def test_workdir_of_another_config_is_refused(tmp_path):
 
 
 def test_head_map_of_another_model_is_refused_before_training(tmp_path):
-    other = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                        num_kv_heads=2, head_dim=8)
+    other = ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     HeadMap.layerwise(other, "1:1").save(tmp_path / "other.json")
     c = _config()
     c.selection.method = "given"

@@ -1,5 +1,6 @@
 """Exact resume of train.py after SIGKILL (also in the middle of an async save), fallback past a corrupted
 checkpoint, and the NaN stop — all in subprocesses on configs/tiny.py."""
+
 import json
 import os
 import shutil
@@ -7,11 +8,14 @@ import signal
 import time
 
 import pytest
-
 from train_helpers import run_train
 
-STAGE1 = ["--until_stage=align", "--config.stage1.steps=10", "--config.stage1.checkpoint_every=2",
-          "--config.stage1.keep_checkpoints=3"]
+STAGE1 = [
+    "--until_stage=align",
+    "--config.stage1.steps=10",
+    "--config.stage1.checkpoint_every=2",
+    "--config.stage1.keep_checkpoints=3",
+]
 
 
 def _losses(workdir, stage="stage1_align"):
@@ -98,8 +102,14 @@ def test_corrupted_latest_checkpoint_falls_back(reference, tmp_path):
 
 def test_nan_loss_stops_the_stage_and_keeps_last_good_checkpoint(tmp_path):
     # An absurd learning rate: step 1 runs at lr 0 (warmup), then the parameters explode to inf/NaN.
-    proc = run_train(tmp_path, "--until_stage=align", "--config.stage1.lr=1e30", "--config.stage1.train=all",
-                     "--config.stage1.checkpoint_every=1", "--config.stage1.steps=8")
+    proc = run_train(
+        tmp_path,
+        "--until_stage=align",
+        "--config.stage1.lr=1e30",
+        "--config.stage1.train=all",
+        "--config.stage1.checkpoint_every=1",
+        "--config.stage1.steps=8",
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "non-finite" in proc.stderr and "config.stage1.lr" in proc.stderr
     logged = _losses(tmp_path)

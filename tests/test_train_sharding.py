@@ -1,4 +1,5 @@
 """Sharded training on 8 simulated CPU devices: the same losses as one device, parameters placed by the rules."""
+
 import json
 
 import jax
@@ -6,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from train_helpers import tiny_config
+
+from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student
 from hydrahead_jax.models import Transformer
-from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.data import make_stage_iterator
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, run_stage
@@ -29,16 +30,35 @@ def _run(tmp_path, name, mesh):
     head_map = HeadMap.from_fa_groups(cfg, [[0], [1]], method="test")
     hybrid = HybridConfig.from_dict(dict(c.hybrid))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid, nnx.Rngs(0))))
-    init = lambda: jax.tree.map(lambda x: x.copy(), nnx.as_pure(nnx.state(  # noqa: E731
-        build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(0)))))
+    init = lambda: jax.tree.map(
+        lambda x: x.copy(),
+        nnx.as_pure(
+            nnx.state(  # noqa: E731
+                build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(0))
+            )
+        ),
+    )
     workdir = tmp_path / name
     workdir.mkdir()
-    spec = StageSpec(kind="distil", config_key="stage2", directory=workdir / "stage2_distil", stage_cfg=c.stage2,
-                     trainable=nnx.Param, meta={},
-                     make_iterator=lambda: make_stage_iterator(c.data, seq_len=32, batch_size=4, seed=1,
-                                                               vocab_size=cfg.vocab_size))
-    final = run_stage(spec, student_graphdef=graphdef, abstract_student=abstract, initial_student=init,
-                      teacher=TeacherHandle(teacher, mesh), mesh=mesh, workdir=workdir, logging_cfg=c.logging)
+    spec = StageSpec(
+        kind="distil",
+        config_key="stage2",
+        directory=workdir / "stage2_distil",
+        stage_cfg=c.stage2,
+        trainable=nnx.Param,
+        meta={},
+        make_iterator=lambda: make_stage_iterator(c.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size),
+    )
+    final = run_stage(
+        spec,
+        student_graphdef=graphdef,
+        abstract_student=abstract,
+        initial_student=init,
+        teacher=TeacherHandle(teacher, mesh),
+        mesh=mesh,
+        workdir=workdir,
+        logging_cfg=c.logging,
+    )
     return _losses(workdir), final
 
 

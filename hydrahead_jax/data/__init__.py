@@ -1,7 +1,17 @@
 """Data: corpus token stores, grain pipelines, synthetic long-context tasks (DESIGN.md §7)."""
-from hydrahead_jax.data.corpus import (CorpusError, CorpusStore, TokenizerMismatchError, cache_dir,
-                                       fetch_gensim_wheel, load_enwiki_documents, load_heldout_text,
-                                       prepare_corpus, read_metadata, resolve_source)
+
+from hydrahead_jax.data.corpus import (
+    CorpusError,
+    CorpusStore,
+    TokenizerMismatchError,
+    cache_dir,
+    fetch_gensim_wheel,
+    load_enwiki_documents,
+    load_heldout_text,
+    prepare_corpus,
+    read_metadata,
+    resolve_source,
+)
 from hydrahead_jax.data.mixture import SyntheticRows, mix_synthetic, synthetic_row
 from hydrahead_jax.data.pipeline import Documents, PackedWindows, make_dataset, make_train_iterator, pack_row
 from hydrahead_jax.data.protocol import TokenizerLike
@@ -9,9 +19,28 @@ from hydrahead_jax.data.synthetic import TASKS, Haystack, SyntheticExample, gene
 from hydrahead_jax.data.wiki import clean_wiki_markup
 
 __all__ = [
-    "CorpusError", "CorpusStore", "TokenizerMismatchError", "cache_dir", "fetch_gensim_wheel",
-    "load_enwiki_documents", "load_heldout_text", "prepare_corpus", "read_metadata", "resolve_source",
-    "SyntheticRows", "mix_synthetic", "synthetic_row", "Documents", "PackedWindows", "make_dataset",
-    "make_train_iterator", "pack_row", "TokenizerLike", "TASKS", "Haystack", "SyntheticExample", "generate",
+    "CorpusError",
+    "CorpusStore",
+    "TokenizerMismatchError",
+    "cache_dir",
+    "fetch_gensim_wheel",
+    "load_enwiki_documents",
+    "load_heldout_text",
+    "prepare_corpus",
+    "read_metadata",
+    "resolve_source",
+    "SyntheticRows",
+    "mix_synthetic",
+    "synthetic_row",
+    "Documents",
+    "PackedWindows",
+    "make_dataset",
+    "make_train_iterator",
+    "pack_row",
+    "TokenizerLike",
+    "TASKS",
+    "Haystack",
+    "SyntheticExample",
+    "generate",
     "clean_wiki_markup",
 ]

@@ -19,12 +19,13 @@ loss_mask[t] = 1 only when input t and target t belong to the same document (so 
 document transition and padding are not trained). The tail of an epoch, N mod T tokens, is dropped
 (`drop_tail=True`, default) or emitted as one padded row.
 """
+
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
 
 import grain
 import numpy as np
@@ -37,177 +38,243 @@ _DOC_SALT, _WINDOW_SALT = 0x5EED_D0C5, 0x5EED_3140
 
 
 def pack_row(tokens: np.ndarray, doc_ids: np.ndarray) -> dict[str, np.ndarray]:
-  """Builds one training row from T+1 tokens and their document ids (-1 = padding).
+    """Builds one training row from T+1 tokens and their document ids (-1 = padding).
 
-  Returns input_ids/targets [T] int32, loss_mask [T] float32, segment_ids [T] int32 (1-based in order
-  of appearance in the row, 0 = padding), positions [T] int32 (index within the segment).
-  """
-  tokens = np.asarray(tokens, np.int32)
-  doc_ids = np.asarray(doc_ids, np.int64)
-  inp_doc, tgt_doc = doc_ids[:-1], doc_ids[1:]
-  valid = inp_doc >= 0
-  seq_len = len(inp_doc)
-  new_segment = np.ones(seq_len, bool)
-  new_segment[1:] = inp_doc[1:] != inp_doc[:-1]
-  segment_ids = np.where(valid, np.cumsum(new_segment), 0).astype(np.int32)
-  idx = np.arange(seq_len)
-  seg_start = np.maximum.accumulate(np.where(new_segment, idx, 0))
-  positions = np.where(valid, idx - seg_start, 0).astype(np.int32)
-  loss_mask = (valid & (inp_doc == tgt_doc)).astype(np.float32)
-  return {"input_ids": tokens[:-1], "targets": tokens[1:], "loss_mask": loss_mask,
-          "segment_ids": segment_ids, "positions": positions}
+    Returns input_ids/targets [T] int32, loss_mask [T] float32, segment_ids [T] int32 (1-based in order
+    of appearance in the row, 0 = padding), positions [T] int32 (index within the segment).
+    """
+    tokens = np.asarray(tokens, np.int32)
+    doc_ids = np.asarray(doc_ids, np.int64)
+    inp_doc, tgt_doc = doc_ids[:-1], doc_ids[1:]
+    valid = inp_doc >= 0
+    seq_len = len(inp_doc)
+    new_segment = np.ones(seq_len, bool)
+    new_segment[1:] = inp_doc[1:] != inp_doc[:-1]
+    segment_ids = np.where(valid, np.cumsum(new_segment), 0).astype(np.int32)
+    idx = np.arange(seq_len)
+    seg_start = np.maximum.accumulate(np.where(new_segment, idx, 0))
+    positions = np.where(valid, idx - seg_start, 0).astype(np.int32)
+    loss_mask = (valid & (inp_doc == tgt_doc)).astype(np.float32)
+    return {
+        "input_ids": tokens[:-1],
+        "targets": tokens[1:],
+        "loss_mask": loss_mask,
+        "segment_ids": segment_ids,
+        "positions": positions,
+    }
 
 
 class PackedWindows(grain.MapDataset):
-  """Random-access packed rows of `seq_len` tokens over one split of a token store (see module doc)."""
+    """Random-access packed rows of `seq_len` tokens over one split of a token store (see module doc)."""
 
-  def __init__(self, store: CorpusStore, seq_len: int, *, seed: int, num_epochs: int | None = None,
-               shuffle: bool = True, drop_tail: bool = True, pad_id: int | None = None):
-    super().__init__()
-    if seq_len < 1:
-      raise ValueError(f"seq_len must be positive, not {seq_len}.")
-    self._store, self._seq_len, self._seed = store, int(seq_len), int(seed)
-    self._shuffle, self._drop_tail = shuffle, drop_tail
-    self._lengths = store.doc_lengths
-    n = store.num_tokens
-    self._stream_len = n
-    self.windows_per_epoch = n // seq_len if drop_tail else -(-n // seq_len)
-    if self.windows_per_epoch == 0:
-      raise ValueError(f"split {store.split!r} of {store.path} has {n} tokens, fewer than one row of "
-                       f"seq_len={seq_len}; use a shorter seq_len or a larger corpus.")
-    self._num_epochs = num_epochs
-    self._len = sys.maxsize if num_epochs is None else self.windows_per_epoch * int(num_epochs)
-    eos = store.eos_id
-    self._pad_id = int(pad_id if pad_id is not None else (eos if eos is not None else 0))
-    self._orders: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    self._lock = threading.Lock()
+    def __init__(
+        self,
+        store: CorpusStore,
+        seq_len: int,
+        *,
+        seed: int,
+        num_epochs: int | None = None,
+        shuffle: bool = True,
+        drop_tail: bool = True,
+        pad_id: int | None = None,
+    ):
+        super().__init__()
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, not {seq_len}.")
+        self._store, self._seq_len, self._seed = store, int(seq_len), int(seed)
+        self._shuffle, self._drop_tail = shuffle, drop_tail
+        self._lengths = store.doc_lengths
+        n = store.num_tokens
+        self._stream_len = n
+        self.windows_per_epoch = n // seq_len if drop_tail else -(-n // seq_len)
+        if self.windows_per_epoch == 0:
+            raise ValueError(
+                f"split {store.split!r} of {store.path} has {n} tokens, fewer than one row of "
+                f"seq_len={seq_len}; use a shorter seq_len or a larger corpus."
+            )
+        self._num_epochs = num_epochs
+        self._len = sys.maxsize if num_epochs is None else self.windows_per_epoch * int(num_epochs)
+        eos = store.eos_id
+        self._pad_id = int(pad_id if pad_id is not None else (eos if eos is not None else 0))
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
 
-  def __len__(self) -> int:
-    return self._len
+    def __len__(self) -> int:
+        return self._len
 
-  def __str__(self) -> str:
-    return f"PackedWindows(seq_len={self._seq_len}, windows_per_epoch={self.windows_per_epoch})"
+    def __str__(self) -> str:
+        return f"PackedWindows(seq_len={self._seq_len}, windows_per_epoch={self.windows_per_epoch})"
 
-  def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document order π_e, cumulative stream offsets of that order, window order σ_e), cached."""
-    with self._lock:  # grain reads rows from several threads
-      cached = self._orders.get(epoch)
-      if cached is None:
-        cached = self._orders[epoch] = self._compute_epoch_order(epoch)
-        if len(self._orders) > 4:  # epochs are visited in order; keep a few (threads may straddle one)
-          self._orders.pop(min(self._orders))
-      return cached
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order π_e, cumulative stream offsets of that order, window order σ_e), cached."""
+        with self._lock:  # grain reads rows from several threads
+            cached = self._orders.get(epoch)
+            if cached is None:
+                cached = self._orders[epoch] = self._compute_epoch_order(epoch)
+                if len(self._orders) > 4:  # epochs are visited in order; keep a few (threads may straddle one)
+                    self._orders.pop(min(self._orders))
+            return cached
 
-  def _compute_epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n_docs = len(self._lengths)
-    if self._shuffle:
-      doc_order = np.random.default_rng([self._seed, epoch, _DOC_SALT]).permutation(n_docs)
-      win_order = np.random.default_rng([self._seed, epoch, _WINDOW_SALT]).permutation(self.windows_per_epoch)
-    else:
-      doc_order, win_order = np.arange(n_docs), np.arange(self.windows_per_epoch)
-    cum = np.zeros(n_docs + 1, np.int64)
-    np.cumsum(self._lengths[doc_order], out=cum[1:])
-    return doc_order, cum, win_order
+    def _compute_epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n_docs = len(self._lengths)
+        if self._shuffle:
+            doc_order = np.random.default_rng([self._seed, epoch, _DOC_SALT]).permutation(n_docs)
+            win_order = np.random.default_rng([self._seed, epoch, _WINDOW_SALT]).permutation(self.windows_per_epoch)
+        else:
+            doc_order, win_order = np.arange(n_docs), np.arange(self.windows_per_epoch)
+        cum = np.zeros(n_docs + 1, np.int64)
+        np.cumsum(self._lengths[doc_order], out=cum[1:])
+        return doc_order, cum, win_order
 
-  def window(self, epoch: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """T+1 tokens of stream window `window` of `epoch` and their document ids (-1 past the stream end)."""
-    doc_order, cum, _ = self._epoch_order(epoch)
-    start = window * self._seq_len
-    stop = min(start + self._seq_len + 1, self._stream_len)
-    tokens = np.full(self._seq_len + 1, self._pad_id, np.int32)
-    doc_ids = np.full(self._seq_len + 1, -1, np.int64)
-    k = int(np.searchsorted(cum, start, side="right")) - 1
-    pos = start
-    while pos < stop:
-      d = int(doc_order[k])
-      take = min(stop, int(cum[k + 1])) - pos
-      begin = int(self._store.offsets[d]) + (pos - int(cum[k]))
-      tokens[pos - start:pos - start + take] = self._store.read(begin, begin + take)
-      doc_ids[pos - start:pos - start + take] = d
-      pos += take
-      k += 1
-    return tokens, doc_ids
+    def window(self, epoch: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """T+1 tokens of stream window `window` of `epoch` and their document ids (-1 past the stream end)."""
+        doc_order, cum, _ = self._epoch_order(epoch)
+        start = window * self._seq_len
+        stop = min(start + self._seq_len + 1, self._stream_len)
+        tokens = np.full(self._seq_len + 1, self._pad_id, np.int32)
+        doc_ids = np.full(self._seq_len + 1, -1, np.int64)
+        k = int(np.searchsorted(cum, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            d = int(doc_order[k])
+            take = min(stop, int(cum[k + 1])) - pos
+            begin = int(self._store.offsets[d]) + (pos - int(cum[k]))
+            tokens[pos - start : pos - start + take] = self._store.read(begin, begin + take)
+            doc_ids[pos - start : pos - start + take] = d
+            pos += take
+            k += 1
+        return tokens, doc_ids
 
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
-    if not 0 <= index < self._len:
-      raise IndexError(f"index {index} out of range for {self}")
-    epoch, i = divmod(int(index), self.windows_per_epoch)
-    _, _, win_order = self._epoch_order(epoch)
-    return pack_row(*self.window(epoch, int(win_order[i])))
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        if not 0 <= index < self._len:
+            raise IndexError(f"index {index} out of range for {self}")
+        epoch, i = divmod(int(index), self.windows_per_epoch)
+        _, _, win_order = self._epoch_order(epoch)
+        return pack_row(*self.window(epoch, int(win_order[i])))
 
 
 class Documents(grain.MapDataset):
-  """Random access to whole documents of a split: {"tokens": int32 [len], "document": int}."""
+    """Random access to whole documents of a split: {"tokens": int32 [len], "document": int}."""
 
-  def __init__(self, store: CorpusStore):
-    super().__init__()
-    self._store = store
+    def __init__(self, store: CorpusStore):
+        super().__init__()
+        self._store = store
 
-  def __len__(self) -> int:
-    return self._store.num_docs
+    def __len__(self) -> int:
+        return self._store.num_docs
 
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
-    return {"tokens": self._store.document(int(index)), "document": int(index)}
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return {"tokens": self._store.document(int(index)), "document": int(index)}
 
 
 def resolve_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
-  """(index, count) of this process's slice; defaults to jax.process_index()/process_count()."""
-  if shard_index is None or shard_count is None:
-    import jax  # pylint: disable=import-outside-toplevel
-    shard_index = jax.process_index() if shard_index is None else shard_index
-    shard_count = jax.process_count() if shard_count is None else shard_count
-  if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard_index must be in [0, {shard_count}), not {shard_index}.")
-  return int(shard_index), int(shard_count)
+    """(index, count) of this process's slice; defaults to jax.process_index()/process_count()."""
+    if shard_index is None or shard_count is None:
+        import jax  # pylint: disable=import-outside-toplevel
+
+        shard_index = jax.process_index() if shard_index is None else shard_index
+        shard_count = jax.process_count() if shard_count is None else shard_count
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index must be in [0, {shard_count}), not {shard_index}.")
+    return int(shard_index), int(shard_count)
 
 
-def make_train_iterator(store_path: str | Path, *, seq_len: int, batch_size: int, seed: int,
-                        split: str = "train", num_epochs: int | None = None, shard_index: int | None = None,
-                        shard_count: int | None = None, synthetic_rate: float = 0.0,
-                        synthetic_tasks: Sequence[str] | None = None, synthetic_loss: str = "answer",
-                        tokenizer: TokenizerLike | None = None, shuffle: bool = True, drop_tail: bool = True,
-                        num_threads: int = 2, prefetch_buffer_size: int = 16) -> grain.DatasetIterator:
-  """A checkpointable iterator of batches {input_ids, targets, loss_mask, segment_ids, positions}.
+def make_train_iterator(
+    store_path: str | Path,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    split: str = "train",
+    num_epochs: int | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    synthetic_rate: float = 0.0,
+    synthetic_tasks: Sequence[str] | None = None,
+    synthetic_loss: str = "answer",
+    tokenizer: TokenizerLike | None = None,
+    shuffle: bool = True,
+    drop_tail: bool = True,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 16,
+) -> grain.DatasetIterator:
+    """A checkpointable iterator of batches {input_ids, targets, loss_mask, segment_ids, positions}.
 
-  `batch_size` is the GLOBAL batch: process p of P gets rows p, p+P, p+2P, ... of the global row
-  sequence, batch_size // P of them per step, so the union of all processes' step-s batches is exactly
-  the single-process step-s batch. `synthetic_rate` > 0 mixes seeded synthetic retrieval rows in
-  (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with `get_state()`/`set_state()` or
-  Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at exactly the next batch.
-  """
-  return make_dataset(store_path, seq_len=seq_len, batch_size=batch_size, seed=seed, split=split,
-                      num_epochs=num_epochs, shard_index=shard_index, shard_count=shard_count,
-                      synthetic_rate=synthetic_rate, synthetic_tasks=synthetic_tasks,
-                      synthetic_loss=synthetic_loss, tokenizer=tokenizer, shuffle=shuffle,
-                      drop_tail=drop_tail, num_threads=num_threads,
-                      prefetch_buffer_size=prefetch_buffer_size).__iter__()
+    `batch_size` is the GLOBAL batch: process p of P gets rows p, p+P, p+2P, ... of the global row
+    sequence, batch_size // P of them per step, so the union of all processes' step-s batches is exactly
+    the single-process step-s batch. `synthetic_rate` > 0 mixes seeded synthetic retrieval rows in
+    (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with `get_state()`/`set_state()` or
+    Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at exactly the next batch.
+    """
+    return make_dataset(
+        store_path,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        split=split,
+        num_epochs=num_epochs,
+        shard_index=shard_index,
+        shard_count=shard_count,
+        synthetic_rate=synthetic_rate,
+        synthetic_tasks=synthetic_tasks,
+        synthetic_loss=synthetic_loss,
+        tokenizer=tokenizer,
+        shuffle=shuffle,
+        drop_tail=drop_tail,
+        num_threads=num_threads,
+        prefetch_buffer_size=prefetch_buffer_size,
+    ).__iter__()
 
 
-def make_dataset(store_path: str | Path, *, seq_len: int, batch_size: int, seed: int, split: str = "train",
-                 num_epochs: int | None = None, shard_index: int | None = None, shard_count: int | None = None,
-                 synthetic_rate: float = 0.0, synthetic_tasks: Sequence[str] | None = None,
-                 synthetic_loss: str = "answer", tokenizer: TokenizerLike | None = None, shuffle: bool = True,
-                 drop_tail: bool = True, num_threads: int = 2, prefetch_buffer_size: int = 16) -> grain.IterDataset:
-  """The `grain.IterDataset` behind `make_train_iterator` (same arguments)."""
-  shard_index, shard_count = resolve_shard(shard_index, shard_count)
-  if batch_size % shard_count:
-    raise ValueError(f"global batch_size={batch_size} is not divisible by the {shard_count} processes.")
-  store = CorpusStore(store_path, split, tokenizer=tokenizer)
-  rows: grain.MapDataset = PackedWindows(store, seq_len, seed=seed, num_epochs=num_epochs, shuffle=shuffle,
-                                         drop_tail=drop_tail)
-  if synthetic_rate > 0:
-    from hydrahead_jax.data.mixture import mix_synthetic  # pylint: disable=import-outside-toplevel
-    if tokenizer is None:
-      raise ValueError("synthetic_rate > 0 needs the tokenizer (to build the synthetic prompts).")
-    rows = mix_synthetic(rows, store, tokenizer, seq_len=seq_len, seed=seed, rate=synthetic_rate,
-                         tasks=synthetic_tasks, loss=synthetic_loss)
-  elif synthetic_rate < 0:
-    raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
-  rows = rows[shard_index::shard_count]
-  batches = rows.batch(batch_size // shard_count, drop_remainder=True)
-  options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
-  return batches.to_iter_dataset(options)
+def make_dataset(
+    store_path: str | Path,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    split: str = "train",
+    num_epochs: int | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    synthetic_rate: float = 0.0,
+    synthetic_tasks: Sequence[str] | None = None,
+    synthetic_loss: str = "answer",
+    tokenizer: TokenizerLike | None = None,
+    shuffle: bool = True,
+    drop_tail: bool = True,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 16,
+) -> grain.IterDataset:
+    """The `grain.IterDataset` behind `make_train_iterator` (same arguments)."""
+    shard_index, shard_count = resolve_shard(shard_index, shard_count)
+    if batch_size % shard_count:
+        raise ValueError(f"global batch_size={batch_size} is not divisible by the {shard_count} processes.")
+    store = CorpusStore(store_path, split, tokenizer=tokenizer)
+    rows: grain.MapDataset = PackedWindows(
+        store, seq_len, seed=seed, num_epochs=num_epochs, shuffle=shuffle, drop_tail=drop_tail
+    )
+    if synthetic_rate > 0:
+        from hydrahead_jax.data.mixture import mix_synthetic  # pylint: disable=import-outside-toplevel
+
+        if tokenizer is None:
+            raise ValueError("synthetic_rate > 0 needs the tokenizer (to build the synthetic prompts).")
+        rows = mix_synthetic(
+            rows,
+            store,
+            tokenizer,
+            seq_len=seq_len,
+            seed=seed,
+            rate=synthetic_rate,
+            tasks=synthetic_tasks,
+            loss=synthetic_loss,
+        )
+    elif synthetic_rate < 0:
+        raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
+    rows = rows[shard_index::shard_count]
+    batches = rows.batch(batch_size // shard_count, drop_remainder=True)
+    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
+    return batches.to_iter_dataset(options)

@@ -1,4 +1,5 @@
 """Command line of eval.py. Every setting is checked, and every model loaded, before the suite starts."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,29 @@ def parse_bytes(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="eval.py", description="Evaluate HydraHead models and their teacher on the same seeded inputs.")
-    p.add_argument("--model", action="append", required=True, metavar="SPEC",
-                   help="a model to evaluate (repeatable): an exported folder (runs/x/final), teacher:<source> "
-                        "(smollm2-135m, a .gguf or an HF folder), an HF folder or .gguf; LABEL=SPEC names it")
-    p.add_argument("--teacher", metavar="SOURCE",
-                   help="reference for agreement when no teacher:<source> model is given (loaded, not evaluated)")
-    p.add_argument("--suite", default=None, help=f"comma list of suites or a preset (all, demo); "
-                                                 f"default {DEFAULT_SUITE}")
-    p.add_argument("--lengths", default=None, help="retrieval context lengths, e.g. 1k,2k,4k,8k,16k,32k "
-                                                   "(also the ppl/efficiency lengths unless given)")
+        prog="eval.py", description="Evaluate HydraHead models and their teacher on the same seeded inputs."
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="a model to evaluate (repeatable): an exported folder (runs/x/final), teacher:<source> "
+        "(smollm2-135m, a .gguf or an HF folder), an HF folder or .gguf; LABEL=SPEC names it",
+    )
+    p.add_argument(
+        "--teacher",
+        metavar="SOURCE",
+        help="reference for agreement when no teacher:<source> model is given (loaded, not evaluated)",
+    )
+    p.add_argument(
+        "--suite", default=None, help=f"comma list of suites or a preset (all, demo); default {DEFAULT_SUITE}"
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        help="retrieval context lengths, e.g. 1k,2k,4k,8k,16k,32k (also the ppl/efficiency lengths unless given)",
+    )
     p.add_argument("--ppl-lengths", default=None, help="held-out text window lengths")
     p.add_argument("--efficiency-lengths", default=None, help="context lengths of the efficiency measurements")
     p.add_argument("--depths", default=None, help="NIAH needle depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
@@ -41,11 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per efficiency point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--needle-type", default="number", choices=("number", "word", "uuid"))
-    p.add_argument("--memory-limit", default=None,
-                   help="cap on what one computation may add to memory (e.g. 8GB); default: what is free now")
+    p.add_argument(
+        "--memory-limit",
+        default=None,
+        help="cap on what one computation may add to memory (e.g. 8GB); default: what is free now",
+    )
     p.add_argument("--haystack", default=None, help="text file used as NIAH filler (default: the Wikipedia extract)")
-    p.add_argument("--text", action="append", default=None, metavar="NAME=PATH",
-                   help="held-out text source (repeatable); default: corpus validation split and lee_background")
+    p.add_argument(
+        "--text",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="held-out text source (repeatable); default: corpus validation split and lee_background",
+    )
     p.add_argument("--out", required=True, help="output folder for results.json, report.md and plots")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -78,19 +100,31 @@ def settings_from_args(args) -> Settings:
             texts[name] = path
     if args.haystack and not Path(args.haystack).is_file():
         raise SuiteError(f"--haystack {args.haystack}: not a file.")
-    common = dict(suites=suites, depths=depths, samples=args.samples, ppl_windows=args.ppl_windows,
-                  decode_steps=args.decode_steps, seed=args.seed, needle_type=args.needle_type,
-                  memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-                  haystack=args.haystack, texts=texts)
+    common = dict(
+        suites=suites,
+        depths=depths,
+        samples=args.samples,
+        ppl_windows=args.ppl_windows,
+        decode_steps=args.decode_steps,
+        seed=args.seed,
+        needle_type=args.needle_type,
+        memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        haystack=args.haystack,
+        texts=texts,
+    )
     ppl_lengths = parse_lengths(args.ppl_lengths) if args.ppl_lengths else lengths
     eff_lengths = parse_lengths(args.efficiency_lengths) if args.efficiency_lengths else lengths
     if demo:
-        return Settings.demo(retrieval_lengths=lengths, ppl_lengths=ppl_lengths, efficiency_lengths=eff_lengths,
-                             **common)
+        return Settings.demo(
+            retrieval_lengths=lengths, ppl_lengths=ppl_lengths, efficiency_lengths=eff_lengths, **common
+        )
     lengths = lengths or parse_lengths("1k,2k,4k")
-    return Settings(**{k: v for k, v in common.items() if v is not None},
-                    retrieval_lengths=lengths, ppl_lengths=ppl_lengths or lengths,
-                    efficiency_lengths=eff_lengths or lengths)
+    return Settings(
+        **{k: v for k, v in common.items() if v is not None},
+        retrieval_lengths=lengths,
+        ppl_lengths=ppl_lengths or lengths,
+        efficiency_lengths=eff_lengths or lengths,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     suite.run(progress=not args.no_progress)
     write_outputs(suite, out)
-    print(f"wrote {out / 'report.md'}, {out / 'results.json'} and plots"
-          + (f"; {len(suite.skipped)} cell(s) skipped, see the report" if suite.skipped else ""))
+    print(
+        f"wrote {out / 'report.md'}, {out / 'results.json'} and plots"
+        + (f"; {len(suite.skipped)} cell(s) skipped, see the report" if suite.skipped else "")
+    )
     return 0

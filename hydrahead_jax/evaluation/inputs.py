@@ -6,18 +6,25 @@ texts, and memoised so several models reuse them.
 Seeds: sample ``i`` of any cell uses seed ``base_seed + i``; the same seed at another length or depth draws the
 same needle value and haystack start, so cells differ only in length and depth.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from hydrahead_jax.data import synthetic
 
 # suite name → synthetic task name
-RETRIEVAL_TASKS = {"niah": "niah_single", "passkey": "passkey", "multikey": "niah_multikey",
-                   "multivalue": "niah_multivalue", "kv": "kv_retrieval", "vt": "variable_tracking"}
+RETRIEVAL_TASKS = {
+    "niah": "niah_single",
+    "passkey": "passkey",
+    "multikey": "niah_multikey",
+    "multivalue": "niah_multivalue",
+    "kv": "kv_retrieval",
+    "vt": "variable_tracking",
+}
 # tasks whose needle depth is a grid axis (a heatmap); the others spread their samples evenly over depth
 DEPTH_GRID_TASKS = ("niah",)
 
@@ -46,15 +53,27 @@ class Inputs:
         validation split (``wiki-val``, token store of the model's tokenizer) and ``news`` (lee_background.cor).
     """
 
-    def __init__(self, *, seed: int = 0, haystack: str | None = None, texts: dict[str, str] | None = None,
-                 needle_type: str = "number", corpus: dict | None = None):
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        haystack: str | None = None,
+        texts: dict[str, str] | None = None,
+        needle_type: str = "number",
+        corpus: dict | None = None,
+    ):
         self.seed = seed
         self.haystack_path = haystack
         self.text_paths = dict(texts) if texts else None
         # the training corpus and its validation split settings (from an export's train_config.json), so the
         # validation documents are exactly the ones training held out
-        self.corpus = {"source": "enwiki", "validation_fraction": 0.02, "txt_split": "file", "text_field": "text",
-                       **(corpus or {})}
+        self.corpus = {
+            "source": "enwiki",
+            "validation_fraction": 0.02,
+            "txt_split": "file",
+            "text_field": "text",
+            **(corpus or {}),
+        }
         self.needle_type = needle_type
         self._haystacks: dict = {}
         self._streams: dict = {}
@@ -69,6 +88,7 @@ class Inputs:
                 texts: Sequence[str] = [_read_text(self.haystack_path)]
             else:
                 from hydrahead_jax.data import load_enwiki_documents
+
                 texts = load_enwiki_documents()
             self._haystacks[key] = synthetic.Haystack(texts, tok)
         return self._haystacks[key]
@@ -80,8 +100,9 @@ class Inputs:
             options = {"depth": depth}
             if task in ("niah", "multikey", "multivalue"):
                 options["needle_type"] = self.needle_type
-            self._examples[key] = synthetic.generate(RETRIEVAL_TASKS[task], tok, self.haystack(tok), length=length,
-                                                     seed=self.seed + sample, **options)
+            self._examples[key] = synthetic.generate(
+                RETRIEVAL_TASKS[task], tok, self.haystack(tok), length=length, seed=self.seed + sample, **options
+            )
         return self._examples[key]
 
     # -- held-out text -------------------------------------------------------------------------------------
@@ -103,12 +124,22 @@ class Inputs:
             return np.asarray(tok.encode(_read_text(self.text_paths[name])), np.int32)
         if name == "news":
             from hydrahead_jax.data import load_heldout_text
+
             return np.asarray(tok.encode(load_heldout_text()), np.int32)
         if name in ("wiki-val", "corpus-val"):
             from hydrahead_jax.data import CorpusStore, prepare_corpus
+
             c = self.corpus
-            store = CorpusStore(prepare_corpus(tok, c["source"], validation_fraction=float(c["validation_fraction"]),
-                                               txt_split=c["txt_split"], text_field=c["text_field"]), "validation")
+            store = CorpusStore(
+                prepare_corpus(
+                    tok,
+                    c["source"],
+                    validation_fraction=float(c["validation_fraction"]),
+                    txt_split=c["txt_split"],
+                    text_field=c["text_field"],
+                ),
+                "validation",
+            )
             return np.asarray(store.read(0, store.num_tokens), np.int32)
         raise KeyError(f"unknown text source {name!r}")
 
@@ -117,7 +148,7 @@ class Inputs:
         and the source's size in tokens."""
         ids = self.stream(name, tok)
         n = min(count, len(ids) // length)
-        return [ids[i * length:(i + 1) * length] for i in range(n)], len(ids)
+        return [ids[i * length : (i + 1) * length] for i in range(n)], len(ids)
 
     # -- efficiency ----------------------------------------------------------------------------------------
 

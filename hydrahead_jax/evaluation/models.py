@@ -7,6 +7,7 @@ Spec forms (each may be prefixed with ``LABEL=`` to name the model in tables and
 * ``<dir>`` — a model exported by training (``hydrahead_jax.load_hydrahead``, e.g. ``runs/x/final``; its
   train_config.json gives the training length), or a Hugging Face folder / ``.gguf`` file of a plain decoder.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ class EvalModel:
     name: str
     model: nnx.Module
     tokenizer: Any
-    kind: str                     # "teacher" | "hydrahead" | "pretrained"
+    kind: str  # "teacher" | "hydrahead" | "pretrained"
     spec: str = ""
     train_length: int | None = None  # longest training sequence, when the export records it
     info: dict = dataclasses.field(default_factory=dict)
@@ -46,8 +47,13 @@ def describe(model: nnx.Module) -> dict:
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
     cfg = model.cfg
     fa = [len(getattr(layer.self_attn, "fa_groups", range(cfg.num_kv_heads))) for layer in model.layers]
-    return {"params": n_params, "config": cfg.to_dict(), "fa_groups": int(sum(fa)),
-            "kv_groups": int(cfg.num_layers * cfg.num_kv_heads), "fa_groups_per_layer": fa}
+    return {
+        "params": n_params,
+        "config": cfg.to_dict(),
+        "fa_groups": int(sum(fa)),
+        "kv_groups": int(cfg.num_layers * cfg.num_kv_heads),
+        "fa_groups_per_layer": fa,
+    }
 
 
 def _split_label(spec: str) -> tuple[str | None, str]:
@@ -59,14 +65,15 @@ def _split_label(spec: str) -> tuple[str | None, str]:
 
 def _default_label(spec: str) -> str:
     if spec.startswith("teacher:"):
-        return "teacher:" + Path(spec[len("teacher:"):]).name
+        return "teacher:" + Path(spec[len("teacher:") :]).name
     p = Path(spec)
     return f"{p.parent.name}/{p.name}" if p.parent.name else p.name
 
 
 def _looks_like_pretrained(path: Path) -> bool:
-    return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()
-                                                           and any(path.glob("*.safetensors")))
+    return (path.is_file() and path.suffix == ".gguf") or (
+        path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    )
 
 
 def _train_length(path: Path) -> int | None:
@@ -75,8 +82,11 @@ def _train_length(path: Path) -> int | None:
         config = json.loads((path / "train_config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    lengths = [v["seq_len"] for k, v in config.items()
-               if k.startswith("stage") and isinstance(v, dict) and isinstance(v.get("seq_len"), int)]
+    lengths = [
+        v["seq_len"]
+        for k, v in config.items()
+        if k.startswith("stage") and isinstance(v, dict) and isinstance(v.get("seq_len"), int)
+    ]
     return max(lengths) if lengths else None
 
 
@@ -104,10 +114,11 @@ def load_model(spec: str) -> EvalModel:
     label, body = _split_label(spec)
     name = label or _default_label(body)
     if body.startswith("teacher:"):
-        source = body[len("teacher:"):]
+        source = body[len("teacher:") :]
         if not source:
             raise ModelSpecError(f"--model {spec!r}: 'teacher:' needs a source, e.g. teacher:smollm2-135m.")
         from hydrahead_jax.models import load_pretrained
+
         try:
             model, tok = load_pretrained(source)
         except (ValueError, OSError) as err:
@@ -115,28 +126,37 @@ def load_model(spec: str) -> EvalModel:
         return EvalModel(name, model, tok, "teacher", spec, info=describe(model))
     path = Path(body).expanduser()
     if not path.exists():
-        raise ModelSpecError(f"--model {spec!r}: {path} does not exist. Give an exported model folder "
-                             "(e.g. runs/x/final), a Hugging Face folder or .gguf, or teacher:<source>.")
+        raise ModelSpecError(
+            f"--model {spec!r}: {path} does not exist. Give an exported model folder "
+            "(e.g. runs/x/final), a Hugging Face folder or .gguf, or teacher:<source>."
+        )
     if _looks_like_pretrained(path):
         from hydrahead_jax.models import load_pretrained
+
         try:
             model, tok = load_pretrained(str(path))
         except (ValueError, OSError) as err:
             raise ModelSpecError(f"--model {spec!r}: cannot load {path}: {err}") from err
         return EvalModel(name, model, tok, "pretrained", spec, info=describe(model))
     if not (path.is_dir() and (path / "model_config.json").is_file()):
-        raise ModelSpecError(f"--model {spec!r}: {path} is not a model: expected a folder exported by training "
-                             "(WORKDIR/final, with model_config.json, head_map.json and params/), a Hugging Face "
-                             "folder with config.json and *.safetensors, or a .gguf file.")
+        raise ModelSpecError(
+            f"--model {spec!r}: {path} is not a model: expected a folder exported by training "
+            "(WORKDIR/final, with model_config.json, head_map.json and params/), a Hugging Face "
+            "folder with config.json and *.safetensors, or a .gguf file."
+        )
     from hydrahead_jax.training.export import load_hydrahead
+
     try:
         model, tok = load_hydrahead(str(path))
     except Exception as err:  # any failure here means the folder is not a usable export
-        raise ModelSpecError(f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: "
-                             f"{err}).") from err
+        raise ModelSpecError(
+            f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: {err})."
+        ) from err
     if tok is None:
-        raise ModelSpecError(f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "
-                             "teacher), so text prompts cannot be encoded for it.")
+        raise ModelSpecError(
+            f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "
+            "teacher), so text prompts cannot be encoded for it."
+        )
     info = {**describe(model), "head_map": _head_map_summary(path), "corpus": _corpus_settings(path)}
     return EvalModel(name, model, tok, "hydrahead", spec, train_length=_train_length(path), info=info)
 

@@ -1,5 +1,6 @@
 """Turn a finished suite into results.json (every number with its settings), report.md (models side by side)
 and PNG plots (matplotlib, Agg backend)."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,16 @@ import numpy as np
 
 from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS
 
-MEMORY_NOTE = ("Peak memory is XLA's compiled memory_analysis of the prefill / decode-step executable "
-               "(arguments + outputs + temporaries − aliased; parameters included), which holds on every backend. "
-               "`device_peak_bytes` is the device allocator's running peak (Device.memory_stats), where the backend "
-               "reports one (GPU/TPU, not CPU).")
+MEMORY_NOTE = (
+    "Peak memory is XLA's compiled memory_analysis of the prefill / decode-step executable "
+    "(arguments + outputs + temporaries − aliased; parameters included), which holds on every backend. "
+    "`device_peak_bytes` is the device allocator's running peak (Device.memory_stats), where the backend "
+    "reports one (GPU/TPU, not CPU)."
+)
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
+
 
 def aggregate(suite) -> list[dict]:
     """One record per number: model, task, metric, value, and the settings that produced it."""
@@ -35,38 +39,95 @@ def aggregate(suite) -> list[dict]:
     for r in suite.samples:
         depth = r["target_depth"] if r["task"] in DEPTH_GRID_TASKS else None
         cells[(r["model"], r["task"], r["nominal_length"], depth)].append(r)
-    for (model, task, length, depth), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
-                                                                                   -1 if kv[0][3] is None else kv[0][3])):
-        rec = {"model": model, "task": task, "synthetic_task": RETRIEVAL_TASKS[task], "metric": "accuracy",
-               "value": float(np.mean([r["correct"] for r in rs])), "length": length, "n": len(rs),
-               "seeds": [r["seed"] for r in rs], "depths": [r["depth"] for r in rs],
-               "beyond_train_length": beyond(model, length), "needle_type": suite.settings.needle_type,
-               "decoding": "greedy, through the decode cache"}
+    for (model, task, length, depth), rs in sorted(
+        cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], -1 if kv[0][3] is None else kv[0][3])
+    ):
+        rec = {
+            "model": model,
+            "task": task,
+            "synthetic_task": RETRIEVAL_TASKS[task],
+            "metric": "accuracy",
+            "value": float(np.mean([r["correct"] for r in rs])),
+            "length": length,
+            "n": len(rs),
+            "seeds": [r["seed"] for r in rs],
+            "depths": [r["depth"] for r in rs],
+            "beyond_train_length": beyond(model, length),
+            "needle_type": suite.settings.needle_type,
+            "decoding": "greedy, through the decode cache",
+        }
         if depth is not None:
             rec["depth"] = depth
         records.append(rec)
 
     for (model, source, length), parts in sorted(suite.text_parts.items()):
-        base = {"model": model, "source": source, "length": length, "n": len(parts["window"]),
-                "windows": list(parts["window"]), "seed": None, "beyond_train_length": beyond(model, length)}
+        base = {
+            "model": model,
+            "source": source,
+            "length": length,
+            "n": len(parts["window"]),
+            "windows": list(parts["window"]),
+            "seed": None,
+            "beyond_train_length": beyond(model, length),
+        }
         if parts["nll"]:
             nll = np.concatenate(parts["nll"])
-            tail = np.concatenate([x[-max(1, len(x) // 4):] for x in parts["nll"]])
-            records.append({**base, "task": "ppl", "metric": "perplexity", "value": float(math.exp(nll.mean())),
-                            "ppl_tail": float(math.exp(tail.mean())), "tokens": int(nll.size)})
+            tail = np.concatenate([x[-max(1, len(x) // 4) :] for x in parts["nll"]])
+            records.append(
+                {
+                    **base,
+                    "task": "ppl",
+                    "metric": "perplexity",
+                    "value": float(math.exp(nll.mean())),
+                    "ppl_tail": float(math.exp(tail.mean())),
+                    "tokens": int(nll.size),
+                }
+            )
         if parts["top1"]:
             teacher = suite.teacher.name
             top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
-            records.append({**base, "task": "agreement", "metric": "top1", "value": float(top1.mean()),
-                            "teacher": teacher, "positions": int(top1.size)})
-            records.append({**base, "task": "agreement", "metric": "kl", "value": float(kl.mean()),
-                            "teacher": teacher, "positions": int(kl.size), "unit": "nats, KL(teacher || model)"})
+            records.append(
+                {
+                    **base,
+                    "task": "agreement",
+                    "metric": "top1",
+                    "value": float(top1.mean()),
+                    "teacher": teacher,
+                    "positions": int(top1.size),
+                }
+            )
+            records.append(
+                {
+                    **base,
+                    "task": "agreement",
+                    "metric": "kl",
+                    "value": float(kl.mean()),
+                    "teacher": teacher,
+                    "positions": int(kl.size),
+                    "unit": "nats, KL(teacher || model)",
+                }
+            )
 
     for e in suite.efficiency:
-        base = {"model": e["model"], "task": "efficiency", "length": e["length"], "n": 1, "seed": suite.settings.seed,
-                "batch": 1, "cache_len": e["cache_len"], "beyond_train_length": beyond(e["model"], e["length"])}
-        for metric in ("kv_bytes_per_token", "state_bytes", "total_bytes", "prefill_s", "decode_s_per_token",
-                       "prefill_memory_bytes", "decode_memory_bytes"):
+        base = {
+            "model": e["model"],
+            "task": "efficiency",
+            "length": e["length"],
+            "n": 1,
+            "seed": suite.settings.seed,
+            "batch": 1,
+            "cache_len": e["cache_len"],
+            "beyond_train_length": beyond(e["model"], e["length"]),
+        }
+        for metric in (
+            "kv_bytes_per_token",
+            "state_bytes",
+            "total_bytes",
+            "prefill_s",
+            "decode_s_per_token",
+            "prefill_memory_bytes",
+            "decode_memory_bytes",
+        ):
             extra = {"decode_steps": e["decode_steps"]} if metric == "decode_s_per_token" else {}
             records.append({**base, "metric": metric, "value": e[metric], **extra})
         if e.get("device_peak_bytes") is not None:
@@ -76,8 +137,13 @@ def aggregate(suite) -> list[dict]:
 
 def _environment() -> dict:
     dev = jax.devices()[0]
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(dev.device_kind),
-            "python": platform.python_version(), "machine": platform.machine()}
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(dev.device_kind),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
 
 
 def write_outputs(suite, out_dir: str | Path) -> dict:
@@ -87,8 +153,10 @@ def write_outputs(suite, out_dir: str | Path) -> dict:
     records = aggregate(suite)
     results = {
         "settings": suite.settings.to_dict(),
-        "models": [{"name": m.name, "spec": m.spec, "kind": m.kind, "train_length": m.train_length, **m.info}
-                   for m in suite.models],
+        "models": [
+            {"name": m.name, "spec": m.spec, "kind": m.kind, "train_length": m.train_length, **m.info}
+            for m in suite.models
+        ],
         "teacher": None if suite.teacher is None else suite.teacher.name,
         "results": records,
         "samples": suite.samples,
@@ -115,6 +183,7 @@ def _json_default(x):
 
 
 # ------------------------------------------------------------------------------------------------ tables
+
 
 def _lookup(records, **match) -> dict:
     return {r["model"]: r for r in records if all(r.get(k) == v for k, v in match.items())}
@@ -156,23 +225,43 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
     recs = results["results"]
     s = results["settings"]
     lines = ["# Evaluation report", ""]
-    lines += [f"Suites: {', '.join(s['suites'])}; seed {s['seed']}; backend {results['environment']['backend']} "
-              f"({results['environment']['device']}).", ""]
+    lines += [
+        f"Suites: {', '.join(s['suites'])}; seed {s['seed']}; backend {results['environment']['backend']} "
+        f"({results['environment']['device']}).",
+        "",
+    ]
     lines += ["## Models", ""]
-    lines += _table(["model", "kind", "parameters", "FA groups / KV groups", "train length"],
-                    [[m["name"], m["kind"], f"{m['params'] / 1e6:.1f} M", f"{m['fa_groups']} / {m['kv_groups']}",
-                      str(m["train_length"] or "–")] for m in results["models"]])
+    lines += _table(
+        ["model", "kind", "parameters", "FA groups / KV groups", "train length"],
+        [
+            [
+                m["name"],
+                m["kind"],
+                f"{m['params'] / 1e6:.1f} M",
+                f"{m['fa_groups']} / {m['kv_groups']}",
+                str(m["train_length"] or "–"),
+            ]
+            for m in results["models"]
+        ],
+    )
     beyond = [f"{m['name']} (> {m['train_length']})" for m in results["models"] if m["train_length"]]
     if beyond:
-        lines += [f"Lengths beyond training, where extrapolation is tested: {', '.join(beyond)}; each record in "
-                  "results.json carries `beyond_train_length`.", ""]
+        lines += [
+            f"Lengths beyond training, where extrapolation is tested: {', '.join(beyond)}; each record in "
+            "results.json carries `beyond_train_length`.",
+            "",
+        ]
 
     retrieval = [t for t in RETRIEVAL_TASKS if t in s["suites"]]
     if retrieval:
-        lines += ["## Long-context retrieval (exact match)", "",
-                  "Greedy decoding through each model's decode cache. Scoring: the generation is cut at EOS and at "
-                  "its first line, lowercased, whitespace collapsed, trailing punctuation stripped from each word; "
-                  "numeric answers compare digit strings (the first k numbers), others the first k words.", ""]
+        lines += [
+            "## Long-context retrieval (exact match)",
+            "",
+            "Greedy decoding through each model's decode cache. Scoring: the generation is cut at EOS and at "
+            "its first line, lowercased, whitespace collapsed, trailing punctuation stripped from each word; "
+            "numeric answers compare digit strings (the first k numbers), others the first k words.",
+            "",
+        ]
         for task in retrieval:
             task_recs = [r for r in recs if r["task"] == task]
             if not task_recs:
@@ -180,13 +269,20 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
             lines += [f"### {task} ({RETRIEVAL_TASKS[task]})", ""]
             if task in DEPTH_GRID_TASKS:
                 keys = sorted({(r["length"], r["depth"]) for r in task_recs})
-                rows = _side_by_side(task_recs, names, keys, lambda k: {"length": k[0], "depth": k[1]}, "pct",
-                                     lambda k: f"{k[0]} @ depth {k[1]:.2f}")
+                rows = _side_by_side(
+                    task_recs,
+                    names,
+                    keys,
+                    lambda k: {"length": k[0], "depth": k[1]},
+                    "pct",
+                    lambda k: f"{k[0]} @ depth {k[1]:.2f}",
+                )
                 lines += _table(["length @ depth"] + names, rows)
             else:
                 keys = sorted({r["length"] for r in task_recs})
-                lines += _table(["length"] + names, _side_by_side(task_recs, names, keys, lambda k: {"length": k},
-                                                                   "pct", str))
+                lines += _table(
+                    ["length"] + names, _side_by_side(task_recs, names, keys, lambda k: {"length": k}, "pct", str)
+                )
             n = sorted({r["n"] for r in task_recs})
             lines += [f"n = {', '.join(map(str, n))} prompt(s) per cell.", ""]
         lines += [f"![{p}]({p})" for p in plots.get("retrieval", [])] + [""]
@@ -195,15 +291,24 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
     if ppl:
         lines += ["## Perplexity on held-out text", ""]
         keys = sorted({(r["source"], r["length"]) for r in ppl})
-        lines += _table(["source @ length"] + names,
-                        _side_by_side(ppl, names, keys, lambda k: {"source": k[0], "length": k[1]}, "num",
-                                      lambda k: f"{k[0]} @ {k[1]}"))
-        lines += ["Perplexity = exp(mean next-token NLL over every position of the windows). Last quarter of each "
-                  "window only:", ""]
+        lines += _table(
+            ["source @ length"] + names,
+            _side_by_side(
+                ppl, names, keys, lambda k: {"source": k[0], "length": k[1]}, "num", lambda k: f"{k[0]} @ {k[1]}"
+            ),
+        )
+        lines += [
+            "Perplexity = exp(mean next-token NLL over every position of the windows). Last quarter of each "
+            "window only:",
+            "",
+        ]
         tail = [dict(r, value=r["ppl_tail"]) for r in ppl]
-        lines += _table(["source @ length"] + names,
-                        _side_by_side(tail, names, keys, lambda k: {"source": k[0], "length": k[1]}, "num",
-                                      lambda k: f"{k[0]} @ {k[1]}"))
+        lines += _table(
+            ["source @ length"] + names,
+            _side_by_side(
+                tail, names, keys, lambda k: {"source": k[0], "length": k[1]}, "num", lambda k: f"{k[0]} @ {k[1]}"
+            ),
+        )
         lines += [f"![{p}]({p})" for p in plots.get("ppl", [])] + [""]
 
     agree = [r for r in recs if r["task"] == "agreement"]
@@ -213,25 +318,35 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
         for metric, kind, title in (("top1", "pct", "top-1 match"), ("kl", "num", "KL(teacher ‖ model), nats")):
             sub = [r for r in agree if r["metric"] == metric]
             lines += [f"{title}:", ""]
-            lines += _table(["source @ length"] + names,
-                            _side_by_side(sub, names, keys, lambda k: {"source": k[0], "length": k[1]}, kind,
-                                          lambda k: f"{k[0]} @ {k[1]}"))
+            lines += _table(
+                ["source @ length"] + names,
+                _side_by_side(
+                    sub, names, keys, lambda k: {"source": k[0], "length": k[1]}, kind, lambda k: f"{k[0]} @ {k[1]}"
+                ),
+            )
     elif "agreement" in s["suites"]:
-        lines += ["## Agreement with the teacher", "", "Not computed: no teacher among the models (pass "
-                  "--model teacher:<source> or --teacher <source>), or no model shares its tokenizer.", ""]
+        lines += [
+            "## Agreement with the teacher",
+            "",
+            "Not computed: no teacher among the models (pass "
+            "--model teacher:<source> or --teacher <source>), or no model shares its tokenizer.",
+            "",
+        ]
 
     eff = [r for r in recs if r["task"] == "efficiency"]
     if eff:
         lines += ["## Efficiency (batch 1)", "", MEMORY_NOTE, ""]
         keys = sorted({r["length"] for r in eff})
-        for metric, kind, title in (("kv_bytes_per_token", "bytes", "KV cache bytes per token"),
-                                    ("state_bytes", "bytes", "constant state bytes (GDN state + conv)"),
-                                    ("total_bytes", "bytes", "decode cache at this context"),
-                                    ("prefill_s", "s", "prefill time"),
-                                    ("decode_s_per_token", "ms", "decode time per token (median)"),
-                                    ("prefill_memory_bytes", "bytes", "peak memory, prefill (compiled)"),
-                                    ("decode_memory_bytes", "bytes", "peak memory, decode step (compiled)"),
-                                    ("device_peak_bytes", "bytes", "device allocator peak")):
+        for metric, kind, title in (
+            ("kv_bytes_per_token", "bytes", "KV cache bytes per token"),
+            ("state_bytes", "bytes", "constant state bytes (GDN state + conv)"),
+            ("total_bytes", "bytes", "decode cache at this context"),
+            ("prefill_s", "s", "prefill time"),
+            ("decode_s_per_token", "ms", "decode time per token (median)"),
+            ("prefill_memory_bytes", "bytes", "peak memory, prefill (compiled)"),
+            ("decode_memory_bytes", "bytes", "peak memory, decode step (compiled)"),
+            ("device_peak_bytes", "bytes", "device allocator peak"),
+        ):
             sub = [r for r in eff if r["metric"] == metric]
             if not sub:
                 continue
@@ -241,19 +356,22 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
 
     if results["skipped"] or results["notes"]:
         lines += ["## Skipped", ""]
-        lines += _table(["model", "task", "source", "length", "reason"],
-                        [[x["model"], x["task"], x.get("source") or "", str(x["length"]), x["reason"]]
-                         for x in results["skipped"]])
+        lines += _table(
+            ["model", "task", "source", "length", "reason"],
+            [[x["model"], x["task"], x.get("source") or "", str(x["length"]), x["reason"]] for x in results["skipped"]],
+        )
         for n in results["notes"]:
             lines += [f"- {n['model']} {n['source']} @ {n['length']}: {n['note']}"]
         lines += [""]
     lines += ["## Time spent", ""]
-    lines += _table(["model", "task", "seconds"],
-                    [[x["model"], x["task"], f"{x['seconds']:.1f}"] for x in results["seconds"]])
+    lines += _table(
+        ["model", "task", "seconds"], [[x["model"], x["task"], f"{x['seconds']:.1f}"] for x in results["seconds"]]
+    )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ plots
+
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
@@ -266,6 +384,7 @@ def _style(results, name):
 
 def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -306,8 +425,14 @@ def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
             ax.set_title(f"{task} accuracy: {name}", fontsize=9)
             for i in range(len(depths)):
                 for j in range(len(lengths)):
-                    ax.text(j, i, "skip" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}", ha="center",
-                            va="center", fontsize=7)
+                    ax.text(
+                        j,
+                        i,
+                        "skip" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                    )
             fig.colorbar(im, ax=ax)
             save(fig, f"{task}_heatmap_{_safe(name)}.png", "retrieval")
 
@@ -353,14 +478,20 @@ def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
 
     eff = [r for r in recs if r["task"] == "efficiency"]
     if eff:
-        panels = [("total_bytes", "decode cache (MiB)", 2**20), ("prefill_s", "prefill time (s)", 1),
-                  ("decode_s_per_token", "decode time per token (ms)", 1e-3),
-                  ("prefill_memory_bytes", "peak memory, prefill (MiB)", 2**20)]
+        panels = [
+            ("total_bytes", "decode cache (MiB)", 2**20),
+            ("prefill_s", "prefill time (s)", 1),
+            ("decode_s_per_token", "decode time per token (ms)", 1e-3),
+            ("prefill_memory_bytes", "peak memory, prefill (MiB)", 2**20),
+        ]
         fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
         for ax, (metric, title, div) in zip(axes[0], panels):
             for name in names:
-                pts = sorted((r["length"], r["value"] / div) for r in eff
-                             if r["model"] == name and r["metric"] == metric and r["value"] is not None)
+                pts = sorted(
+                    (r["length"], r["value"] / div)
+                    for r in eff
+                    if r["model"] == name and r["metric"] == metric and r["value"] is not None
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=name, **_style(results, name))
             ax.set_xscale("log", base=2)

@@ -9,6 +9,7 @@ Memory accounting: ``need_bytes = argument + output + temp − alias`` of the co
 buffer assignment). Parameters are among the arguments and already resident, so ``extra_bytes`` (need minus the
 parameters) is what running it adds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,14 +61,17 @@ def compiled_bytes(compiled) -> int | None:
     ma = compiled.memory_analysis()
     if ma is None:
         return None
-    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-               - ma.alias_size_in_bytes)
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
 
 
 def is_allocation_error(err: BaseException) -> bool:
     text = str(err)
-    return isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or \
-        "out of memory" in text
+    return (
+        isinstance(err, MemoryError)
+        or "RESOURCE_EXHAUSTED" in text
+        or "Out of memory" in text
+        or "out of memory" in text
+    )
 
 
 # (graphdef, parameter shapes, executable key) → compiled executable, shared by every Runner of this process.
@@ -75,6 +79,7 @@ _EXECUTABLES: dict = {}
 
 
 # Jitted bodies; the graphdef is static, so one trace per (model structure, shapes).
+
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(graphdef, state, ids, cache):
@@ -112,11 +117,11 @@ def cache_len_for(total_tokens: int, bucket: int = 256) -> int:
 
 @dataclasses.dataclass
 class Generation:
-    tokens: np.ndarray        # int32 [B, N] greedy tokens
-    prefill_s: float          # wall time of the prefill call (compiled; compile time excluded)
-    decode_s: list[float]     # wall time of each decode step after the first token
+    tokens: np.ndarray  # int32 [B, N] greedy tokens
+    prefill_s: float  # wall time of the prefill call (compiled; compile time excluded)
+    decode_s: list[float]  # wall time of each decode step after the first token
     prefill_bytes: int | None  # compiled need of prefill
-    decode_bytes: int | None   # compiled need of one decode step
+    decode_bytes: int | None  # compiled need of one decode step
 
 
 class Runner:
@@ -150,11 +155,18 @@ class Runner:
         else:
             limit, source = available_memory_bytes()
             limit = int(limit * 0.9)  # leave room for the allocator and the rest of the process
-        self.last_check = {"what": what, "need_bytes": need, "extra_bytes": extra, "limit_bytes": limit,
-                           "limit_source": source}
+        self.last_check = {
+            "what": what,
+            "need_bytes": need,
+            "extra_bytes": extra,
+            "limit_bytes": limit,
+            "limit_source": source,
+        }
         if extra > limit:
-            raise OutOfMemory(f"{what} needs {extra / 2**30:.2f} GiB beyond the parameters (XLA memory_analysis) "
-                              f"but only {limit / 2**30:.2f} GiB is available ({source}).")
+            raise OutOfMemory(
+                f"{what} needs {extra / 2**30:.2f} GiB beyond the parameters (XLA memory_analysis) "
+                f"but only {limit / 2**30:.2f} GiB is available ({source})."
+            )
         return need
 
     def _get(self, key, fn, *args):
@@ -205,8 +217,9 @@ class Runner:
 
     # -- generation --------------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: np.ndarray, max_new_tokens: int, *, eos_id: int | None = None,
-                 cache_len: int | None = None) -> Generation:
+    def generate(
+        self, prompt_ids: np.ndarray, max_new_tokens: int, *, eos_id: int | None = None, cache_len: int | None = None
+    ) -> Generation:
         """Greedy continuation of equal-length prompts [B, T] through the model's decode cache."""
         ids = np.asarray(prompt_ids, np.int32)
         if ids.ndim == 1:
@@ -241,8 +254,9 @@ class Runner:
     def hidden_states(self, ids: np.ndarray) -> jax.Array:
         """Final hidden states [B, T, d] of a full causal forward pass (no cache)."""
         ids = jnp.asarray(np.asarray(ids, np.int32))
-        compiled, _ = self._get(("forward", *ids.shape), _hidden, self.state,
-                                jax.ShapeDtypeStruct(ids.shape, jnp.int32))
+        compiled, _ = self._get(
+            ("forward", *ids.shape), _hidden, self.state, jax.ShapeDtypeStruct(ids.shape, jnp.int32)
+        )
         return self._call(compiled, self.state, ids)
 
     def log_probs_chunks(self, h: jax.Array):
@@ -252,7 +266,8 @@ class Runner:
         """
         t = h.shape[1]
         for start in range(0, t, self.logits_chunk):
-            chunk = h[:, start:start + self.logits_chunk]
-            compiled, _ = self._get(("log_probs", *chunk.shape), _log_probs, self.state,
-                                    jax.ShapeDtypeStruct(chunk.shape, chunk.dtype))
+            chunk = h[:, start : start + self.logits_chunk]
+            compiled, _ = self._get(
+                ("log_probs", *chunk.shape), _log_probs, self.state, jax.ShapeDtypeStruct(chunk.shape, chunk.dtype)
+            )
             yield start, self._call(compiled, self.state, chunk)

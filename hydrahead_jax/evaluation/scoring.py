@@ -14,6 +14,7 @@ A model continues the prompt freely, so the generation is first cut to the span 
    * otherwise the prediction's first ``k`` normalised words must equal the answer's ``k`` words, where ``k`` is
      the number of words in the answer (the model may go on after the answer; it may not start elsewhere).
 """
+
 from __future__ import annotations
 
 import re
@@ -51,5 +52,5 @@ def exact_match(prediction: str, answer: str) -> bool:
         raise ValueError(f"the reference answer {answer!r} is empty after normalisation; it cannot be scored.")
     line = first_line(prediction)
     if all(w.isdigit() for w in answer_words):
-        return _DIGITS.findall(line)[:len(answer_words)] == answer_words
-    return normalize_words(line)[:len(answer_words)] == answer_words
+        return _DIGITS.findall(line)[: len(answer_words)] == answer_words
+    return normalize_words(line)[: len(answer_words)] == answer_words

@@ -9,12 +9,13 @@ anything is allocated, or an allocation error) or whose prompt cannot be built a
 ``skipped`` with the reason; the other units of the same (model, task, length) are skipped with it and the
 suite goes on.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -44,8 +45,9 @@ def parse_suite(text: str | list[str]) -> tuple[str, ...]:
         elif n in SUITES:
             out.append(n)
         else:
-            raise SuiteError(f"unknown suite {n!r}; choose from {', '.join(SUITES)} or the presets "
-                             f"{', '.join(PRESETS)}.")
+            raise SuiteError(
+                f"unknown suite {n!r}; choose from {', '.join(SUITES)} or the presets {', '.join(PRESETS)}."
+            )
     return tuple(dict.fromkeys(out))
 
 
@@ -77,24 +79,31 @@ class Settings:
     ppl_lengths: tuple[int, ...]
     efficiency_lengths: tuple[int, ...]
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    samples: int = 2              # prompts per retrieval cell (NIAH: per (length, depth))
-    ppl_windows: int = 2          # windows per (source, length)
-    decode_steps: int = 8         # timed decode steps per efficiency point
+    samples: int = 2  # prompts per retrieval cell (NIAH: per (length, depth))
+    ppl_windows: int = 2  # windows per (source, length)
+    decode_steps: int = 8  # timed decode steps per efficiency point
     seed: int = 0
     needle_type: str = "number"
     memory_limit: int | None = None
     haystack: str | None = None
     texts: dict | None = None
-    corpus: dict | None = None      # training corpus settings (source, validation_fraction, …) for the val split
+    corpus: dict | None = None  # training corpus settings (source, validation_fraction, …) for the val split
 
     @classmethod
-    def demo(cls, **overrides) -> "Settings":
+    def demo(cls, **overrides) -> Settings:
         """The `make demo` preset: a few NIAH/passkey prompts at 512–1K, perplexity at 512, efficiency at 1–4K."""
         # sized for a 2-core CPU: 4 NIAH + 2 passkey prompts, one 512-token window per held-out source,
         # three efficiency points
-        base = dict(suites=PRESETS["demo"], retrieval_lengths=(512, 1024), ppl_lengths=(512,),
-                    efficiency_lengths=(1024, 2048, 4096), depths=(0.1, 0.9), samples=1, ppl_windows=1,
-                    decode_steps=4)
+        base = dict(
+            suites=PRESETS["demo"],
+            retrieval_lengths=(512, 1024),
+            ppl_lengths=(512,),
+            efficiency_lengths=(1024, 2048, 4096),
+            depths=(0.1, 0.9),
+            samples=1,
+            ppl_windows=1,
+            decode_steps=4,
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -126,8 +135,13 @@ class Suite:
             raise SuiteError("no models to evaluate; pass --model at least once.")
         self.models = models
         self.settings = settings
-        self.inputs = Inputs(seed=settings.seed, haystack=settings.haystack, texts=settings.texts,
-                             needle_type=settings.needle_type, corpus=settings.corpus)
+        self.inputs = Inputs(
+            seed=settings.seed,
+            haystack=settings.haystack,
+            texts=settings.texts,
+            needle_type=settings.needle_type,
+            corpus=settings.corpus,
+        )
         self.teacher = teacher or next((m for m in models if m.is_teacher), None)
         self.runners = {m.name: Runner(m.model, memory_limit=settings.memory_limit) for m in models}
         if self.teacher is not None and self.teacher.name not in self.runners:
@@ -152,8 +166,11 @@ class Suite:
             for task in s.suites:
                 if task in RETRIEVAL_TASKS:
                     for length in s.retrieval_lengths:
-                        cells = ([(d, i) for d in s.depths for i in range(s.samples)] if task in DEPTH_GRID_TASKS
-                                 else list(zip(sample_depths(s.samples), range(s.samples))))
+                        cells = (
+                            [(d, i) for d in s.depths for i in range(s.samples)]
+                            if task in DEPTH_GRID_TASKS
+                            else list(zip(sample_depths(s.samples), range(s.samples)))
+                        )
                         for depth, i in cells:
                             units.append(Unit(m, task, length, self._retrieval_unit(m, task, length, i, depth)))
                 elif task == first_text:
@@ -166,7 +183,7 @@ class Suite:
                         units.append(Unit(m, task, length, self._efficiency_unit(m, length)))
         return units
 
-    def prepare(self) -> "Suite":
+    def prepare(self) -> Suite:
         """Build every input that could fail (haystacks, held-out text, the token store) before the suite starts,
         once per tokenizer; raises SuiteError naming the input."""
         s = self.settings
@@ -178,12 +195,14 @@ class Suite:
                     for name in self.inputs.source_names():
                         self.inputs.stream(name, m.tokenizer)
             except (OSError, ValueError, KeyError) as err:
-                raise SuiteError(f"cannot prepare the evaluation inputs for {m.name}: {type(err).__name__}: {err}. "
-                                 "Fix: pass --haystack FILE / --text NAME=FILE, or make the default corpus "
-                                 "reachable.") from err
+                raise SuiteError(
+                    f"cannot prepare the evaluation inputs for {m.name}: {type(err).__name__}: {err}. "
+                    "Fix: pass --haystack FILE / --text NAME=FILE, or make the default corpus "
+                    "reachable."
+                ) from err
         return self
 
-    def run(self, progress: bool = True) -> "Suite":
+    def run(self, progress: bool = True) -> Suite:
         self.prepare()
         units = self.plan()
         bar = tqdm(units, desc="eval", unit="unit", disable=not progress, dynamic_ncols=True)
@@ -196,8 +215,15 @@ class Suite:
                 unit.run()
             except (OutOfMemory, _Unbuildable) as err:
                 self._skip_keys.add(unit.cell)
-                self.skipped.append({"model": unit.model.name, "task": unit.task, "source": unit.source,
-                                     "length": unit.length, "reason": str(err)})
+                self.skipped.append(
+                    {
+                        "model": unit.model.name,
+                        "task": unit.task,
+                        "source": unit.source,
+                        "length": unit.length,
+                        "reason": str(err),
+                    }
+                )
             finally:
                 self.seconds[(unit.model.name, unit.task)] += time.perf_counter() - start
         return self
@@ -211,8 +237,17 @@ class Suite:
             except ValueError as err:  # e.g. the length cannot hold the task's fixed text
                 raise _Unbuildable(f"no prompt at this length: {err}") from err
             rec = tasks.retrieval(self.runners[m.name], m.tokenizer, example)
-            self.samples.append({"model": m.name, "task": task, "target_depth": depth, "sample": sample,
-                                 "nominal_length": length, **rec})
+            self.samples.append(
+                {
+                    "model": m.name,
+                    "task": task,
+                    "target_depth": depth,
+                    "sample": sample,
+                    "nominal_length": length,
+                    **rec,
+                }
+            )
+
         return run
 
     def _teacher_states(self, source: str, length: int, window: int, ids: np.ndarray):
@@ -227,28 +262,38 @@ class Suite:
         def run():
             windows, size = self.inputs.windows(source, m.tokenizer, length, s.ppl_windows)
             if window >= len(windows):
-                msg = (f"held-out source {source!r} has {size} tokens: {len(windows)} window(s) of {length} instead "
-                       f"of {s.ppl_windows}")
+                msg = (
+                    f"held-out source {source!r} has {size} tokens: {len(windows)} window(s) of {length} instead "
+                    f"of {s.ppl_windows}"
+                )
                 if not windows:
                     raise _Unbuildable(msg)
                 if window == len(windows):  # noted once per cell; the cell reports its real n
-                    self.notes.append({"model": m.name, "task": "text", "source": source, "length": length,
-                                       "note": msg})
+                    self.notes.append(
+                        {"model": m.name, "task": "text", "source": source, "length": length, "note": msg}
+                    )
                 return
             ids = windows[window]
             runner = self.runners[m.name]
-            agree = "agreement" in s.suites and self.teacher is not None and not m.is_teacher and \
-                self._same_tokenizer(m)
+            agree = (
+                "agreement" in s.suites and self.teacher is not None and not m.is_teacher and self._same_tokenizer(m)
+            )
             is_reference = self.teacher is not None and m.name == self.teacher.name and "agreement" in s.suites
             hidden = self._teacher_states(source, length, window, ids) if is_reference else None
-            out = tasks.text_window(runner, ids, want_nll="ppl" in s.suites, hidden=hidden,
-                                    teacher=self.runners[self.teacher.name] if agree else None,
-                                    teacher_hidden=self._teacher_states(source, length, window, ids) if agree else None)
+            out = tasks.text_window(
+                runner,
+                ids,
+                want_nll="ppl" in s.suites,
+                hidden=hidden,
+                teacher=self.runners[self.teacher.name] if agree else None,
+                teacher_hidden=self._teacher_states(source, length, window, ids) if agree else None,
+            )
             cell = self.text_parts[(m.name, source, length)]
             cell["window"].append(window)
             for k in ("nll", "top1", "kl"):
                 if out[k] is not None:
                     cell[k].append(out[k])
+
         return run
 
     def _same_tokenizer(self, m: EvalModel) -> bool:
@@ -259,9 +304,11 @@ class Suite:
 
         def run():
             sizes = tasks.cache_sizes(m.model, length)
-            point = tasks.efficiency(self.runners[m.name], self.inputs.random_prompt(length, vocab),
-                                     decode_steps=self.settings.decode_steps)
+            point = tasks.efficiency(
+                self.runners[m.name], self.inputs.random_prompt(length, vocab), decode_steps=self.settings.decode_steps
+            )
             self.efficiency.append({"model": m.name, "length": length, **sizes, **point})
+
         return run
 
 

@@ -9,6 +9,7 @@ same over the last quarter of each window's positions, where long context should
 Agreement with the teacher at every position t: top-1 = [argmax p_S(·|t) = argmax p_T(·|t)],
 KL(T‖S) = Σ_v p_T(v|t) (log p_T(v|t) − log p_S(v|t)) in nats; reported as means over positions.
 """
+
 from __future__ import annotations
 
 import jax
@@ -27,11 +28,17 @@ def retrieval(runner: Runner, tok, example, *, answer_margin: int = 2) -> dict:
     gen = runner.generate(example.prompt_ids[None], max_new, eos_id=tok.eos_id)
     ids = [int(t) for t in gen.tokens[0]]
     if tok.eos_id is not None and tok.eos_id in ids:
-        ids = ids[:ids.index(tok.eos_id)]
+        ids = ids[: ids.index(tok.eos_id)]
     prediction = tok.decode(ids)
-    return {"length": int(example.length), "depth": float(example.depth), "seed": int(example.seed),
-            "answer": example.answer_text, "prediction": prediction,
-            "correct": bool(exact_match(prediction, example.answer_text)), "prefill_s": gen.prefill_s}
+    return {
+        "length": int(example.length),
+        "depth": float(example.depth),
+        "seed": int(example.seed),
+        "answer": example.answer_text,
+        "prediction": prediction,
+        "correct": bool(exact_match(prediction, example.answer_text)),
+        "prefill_s": gen.prefill_s,
+    }
 
 
 @jax.jit
@@ -42,8 +49,15 @@ def _agreement(lp_t: jax.Array, lp_s: jax.Array) -> tuple[jax.Array, jax.Array]:
     return top1, kl
 
 
-def text_window(runner: Runner, ids: np.ndarray, *, want_nll: bool, hidden: jax.Array | None = None,
-                teacher: Runner | None = None, teacher_hidden: jax.Array | None = None) -> dict:
+def text_window(
+    runner: Runner,
+    ids: np.ndarray,
+    *,
+    want_nll: bool,
+    hidden: jax.Array | None = None,
+    teacher: Runner | None = None,
+    teacher_hidden: jax.Array | None = None,
+) -> dict:
     """NLL per predicted token and, with a teacher, agreement on one window ids [T].
 
     ``hidden``: the model's final hidden states [1, T, d] on ``ids`` when already computed (else computed here);
@@ -62,12 +76,14 @@ def text_window(runner: Runner, ids: np.ndarray, *, want_nll: bool, hidden: jax.
         c = lp.shape[1]
         if want_nll:
             stop = min(start + c, t - 1)
-            targets = jnp.asarray(ids[:, start + 1:stop + 1])
-            nll[start:stop] = -np.asarray(jnp.take_along_axis(lp[:, :stop - start], targets[..., None], axis=-1))[0, :, 0]
+            targets = jnp.asarray(ids[:, start + 1 : stop + 1])
+            nll[start:stop] = -np.asarray(jnp.take_along_axis(lp[:, : stop - start], targets[..., None], axis=-1))[
+                0, :, 0
+            ]
         if teacher_chunks is not None:
             _, lp_t = next(teacher_chunks)
             m, k = _agreement(lp_t, lp)
-            top1[start:start + c], kl[start:start + c] = np.asarray(m)[0], np.asarray(k, np.float64)[0]
+            top1[start : start + c], kl[start : start + c] = np.asarray(m)[0], np.asarray(k, np.float64)[0]
     return {"nll": nll, "top1": top1, "kl": kl}
 
 
@@ -77,10 +93,15 @@ def efficiency(runner: Runner, prompt: np.ndarray, *, decode_steps: int) -> dict
     cache_len = cache_len_for(length + decode_steps + 1)
     gen = runner.generate(prompt, decode_steps + 1, cache_len=cache_len)
     decode = np.asarray(gen.decode_s)
-    return {"prefill_s": gen.prefill_s, "decode_s_per_token": float(np.median(decode)),
-            "decode_steps": int(len(decode)), "prefill_memory_bytes": gen.prefill_bytes,
-            "decode_memory_bytes": gen.decode_bytes, "cache_len": cache_len,
-            "device_peak_bytes": peak_device_bytes()}
+    return {
+        "prefill_s": gen.prefill_s,
+        "decode_s_per_token": float(np.median(decode)),
+        "decode_steps": int(len(decode)),
+        "prefill_memory_bytes": gen.prefill_bytes,
+        "decode_memory_bytes": gen.decode_bytes,
+        "cache_len": cache_len,
+        "device_peak_bytes": peak_device_bytes(),
+    }
 
 
 def cache_sizes(model, length: int) -> dict:
@@ -89,6 +110,7 @@ def cache_sizes(model, length: int) -> dict:
 
     Cross-checked against ``hybrid.cache_bytes`` when that accepts the model.
     """
+
     def nbytes(n):
         shapes = jax.eval_shape(lambda: model.init_cache(1, n))["layers"]
         return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes)))
@@ -98,6 +120,7 @@ def cache_sizes(model, length: int) -> dict:
     out = {"kv_bytes_per_token": per_token, "state_bytes": total - per_token * length, "total_bytes": total}
     try:
         from hydrahead_jax.hybrid import cache_bytes
+
         expected = cache_bytes(model, context_len=length)
     except (ImportError, AttributeError, TypeError, ValueError):
         expected = None  # e.g. a plain decoder whose attention has no hybrid config

@@ -1,4 +1,5 @@
 """Build HydraHead students: from a loaded teacher (weights copied exactly) or at random (restore targets)."""
+
 from __future__ import annotations
 
 import jax
@@ -17,8 +18,9 @@ from hydrahead_jax.models.transformer import Transformer
 new_param_filter = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("gdn"), nnx.PathContains("fusion")))
 
 
-def build_model(cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, rngs: nnx.Rngs | None = None
-                ) -> Transformer:
+def build_model(
+    cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, rngs: nnx.Rngs | None = None
+) -> Transformer:
     """A randomly initialised HydraHead model of ``cfg`` with the FA groups of ``head_map`` (layers with every
     group FA are plain softmax layers; layers with none are all Gated DeltaNet)."""
     hybrid_cfg = HybridConfig() if hybrid_cfg is None else hybrid_cfg
@@ -26,14 +28,25 @@ def build_model(cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | 
     rngs = nnx.Rngs(0) if rngs is None else rngs
 
     def factory(i: int, r: nnx.Rngs) -> Attention:
-        return Attention(cfg, rngs=r, fa_groups=tuple(head_map.fa_groups[i]), hybrid_cfg=hybrid_cfg,
-                         attention_impl=hybrid_cfg.attention_implementation)
+        return Attention(
+            cfg,
+            rngs=r,
+            fa_groups=tuple(head_map.fa_groups[i]),
+            hybrid_cfg=hybrid_cfg,
+            attention_impl=hybrid_cfg.attention_implementation,
+        )
 
     return Transformer(cfg, rngs=rngs, attention_factory=factory)
 
 
-def build_student(teacher: Transformer, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, *,
-                  rngs: nnx.Rngs | None = None, calibration_ids=None) -> Transformer:
+def build_student(
+    teacher: Transformer,
+    head_map: HeadMap,
+    hybrid_cfg: HybridConfig | None = None,
+    *,
+    rngs: nnx.Rngs | None = None,
+    calibration_ids=None,
+) -> Transformer:
     """A HydraHead student of ``teacher``: every teacher parameter (embeddings, norms, MLP, q/k/v/o and their
     biases, q/k norms, lm_head) copied exactly, new GDN/fusion parameters at their initial values, and the fusion
     scales set from the teacher's per-head output RMS on ``calibration_ids`` [B,T] when given. The student owns
@@ -44,11 +57,15 @@ def build_student(teacher: Transformer, head_map: HeadMap, hybrid_cfg: HybridCon
     for path, var in nnx.to_flat_state(teacher_params):
         target = student_params.get(path)
         if target is None:
-            raise ValueError(f"teacher parameter {'/'.join(map(str, path))} has no place in the student; "
-                             "was the teacher built from the same ModelConfig?")
+            raise ValueError(
+                f"teacher parameter {'/'.join(map(str, path))} has no place in the student; "
+                "was the teacher built from the same ModelConfig?"
+            )
         if target.shape != var.shape or target.dtype != var.dtype:
-            raise ValueError(f"teacher parameter {'/'.join(map(str, path))} is {var.shape} {var.dtype}, the "
-                             f"student's {target.shape} {target.dtype}.")
+            raise ValueError(
+                f"teacher parameter {'/'.join(map(str, path))} is {var.shape} {var.dtype}, the "
+                f"student's {target.shape} {target.dtype}."
+            )
     # Copies, not shared buffers: donating the student's state to a train step must not delete the teacher's.
     nnx.update(student, jax.tree.map(jnp.copy, teacher_params))
     if calibration_ids is not None:

@@ -10,6 +10,7 @@ Per layer l with n_FA(l) FA groups and H_LA(l) = (G_total − n_FA(l))·(Hq/Hkv)
 These are exactly the sizes of the arrays ``model.init_cache(batch, context_len, dtype)`` allocates (less the
 int32 position counter).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -28,14 +29,23 @@ def _layout(model_or_cfg, head_map, hybrid_cfg):
         groups = [tuple(layer) for layer in head_map.fa_groups]
         return cfg, groups, [hybrid_cfg if len(g) < cfg.num_kv_heads else None for g in groups]
     if head_map is not None or hybrid_cfg is not None:
-        raise ValueError("cache_bytes(model): the model already fixes its head map and HybridConfig; pass "
-                         "head_map/hybrid_cfg only with a ModelConfig.")
+        raise ValueError(
+            "cache_bytes(model): the model already fixes its head map and HybridConfig; pass "
+            "head_map/hybrid_cfg only with a ModelConfig."
+        )
     attns = [layer.self_attn for layer in model_or_cfg.layers]
     return model_or_cfg.cfg, [a.fa_groups for a in attns], [a.hybrid_cfg for a in attns]
 
 
-def cache_bytes(model_or_cfg, head_map: HeadMap | None = None, *, context_len: int, batch: int = 1, dtype=None,
-                hybrid_cfg: HybridConfig | None = None) -> dict[str, int]:
+def cache_bytes(
+    model_or_cfg,
+    head_map: HeadMap | None = None,
+    *,
+    context_len: int,
+    batch: int = 1,
+    dtype=None,
+    hybrid_cfg: HybridConfig | None = None,
+) -> dict[str, int]:
     """Decode-cache bytes of a model (or of ``cfg`` with ``head_map``, default the teacher's all-FA map).
 
     dtype: KV/conv cache dtype (default the config's compute dtype); the GDN state is always fp32.

@@ -1,15 +1,15 @@
 """Options of the HydraHead attention block (everything that is not the teacher's shape or the head map)."""
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
 from hydrahead_jax.config import ConfigError
+from pallas_kernels.dispatch import IMPLEMENTATIONS
 
 FUSIONS = ("none", "la_only", "both")
 FUSION_GRANULARITIES = ("head", "channel")
-# Accepted by flash_attention / chunk_gated_delta_rule; the kernel APIs check again for their own platform.
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,28 +50,33 @@ class HybridConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"HybridConfig.{field} must be a positive integer, got {value!r}.")
         if self.gdn_chunk_size < 16 or self.gdn_chunk_size & (self.gdn_chunk_size - 1):
-            raise ConfigError(f"HybridConfig.gdn_chunk_size={self.gdn_chunk_size} must be a power of two >= 16 "
-                              "(the chunked kernels' block shapes); 64 is the default.")
+            raise ConfigError(
+                f"HybridConfig.gdn_chunk_size={self.gdn_chunk_size} must be a power of two >= 16 "
+                "(the chunked kernels' block shapes); 64 is the default."
+            )
         if self.use_conv and self.conv_size < 2:
-            raise ConfigError(f"HybridConfig.conv_size={self.conv_size}: a causal conv needs at least 2 taps; "
-                              "set use_conv=False to drop the conv instead.")
+            raise ConfigError(
+                f"HybridConfig.conv_size={self.conv_size}: a causal conv needs at least 2 taps; "
+                "set use_conv=False to drop the conv instead."
+            )
         if self.fusion not in FUSIONS:
             raise ConfigError(f"HybridConfig.fusion={self.fusion!r}; choose one of {FUSIONS}.")
         if self.fusion_granularity not in FUSION_GRANULARITIES:
-            raise ConfigError(f"HybridConfig.fusion_granularity={self.fusion_granularity!r}; "
-                              f"choose one of {FUSION_GRANULARITIES}.")
+            raise ConfigError(
+                f"HybridConfig.fusion_granularity={self.fusion_granularity!r}; choose one of {FUSION_GRANULARITIES}."
+            )
         for field in ("gdn_implementation", "attention_implementation"):
             if getattr(self, field) not in IMPLEMENTATIONS:
                 raise ConfigError(f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {IMPLEMENTATIONS}.")
 
-    def replace(self, **changes) -> "HybridConfig":
+    def replace(self, **changes) -> HybridConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HybridConfig":
+    def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

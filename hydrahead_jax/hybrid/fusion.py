@@ -15,6 +15,7 @@ normalising each head and rescaling it to what the teacher's head produced puts 
 ``none`` leaves outputs untouched. A layer whose groups are all FA has no LA head to balance: it stays the
 teacher's layer, without fusion, so an all-FA head map reproduces the teacher exactly.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,9 @@ class ScaleFusion(nnx.Module):
         self.granularity = granularity
         self.eps = eps
         shape = (len(heads),) if granularity == "head" else (len(heads), head_dim)
-        self.gamma = nnx.Param(jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1),
-                               eager_sharding=False)
+        self.gamma = nnx.Param(
+            jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
+        )
 
     def __call__(self, o: jax.Array) -> jax.Array:
         """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
@@ -69,8 +71,9 @@ def teacher_head_rms(teacher: nnx.Module, input_ids, granularity: str = "head") 
     for i, layer in enumerate(teacher.layers):
         attn = layer.self_attn
         if not isinstance(attn, Attention) or attn.hybrid_cfg is not None:
-            raise ValueError(f"teacher layer {i} is not plain softmax attention; calibrate against the teacher "
-                             "model, not a student.")
+            raise ValueError(
+                f"teacher layer {i} is not plain softmax attention; calibrate against the teacher model, not a student."
+            )
     ids = jnp.asarray(np.asarray(input_ids, dtype=np.int32))
     if ids.ndim != 2:
         raise ValueError(f"calibration input_ids must be [batch, length], got shape {ids.shape}.")
@@ -84,10 +87,15 @@ def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dic
     Returns {layer index: the γ written}. Layers without fusion are left alone.
     """
     if len(student.layers) != len(teacher.layers):
-        raise ValueError(f"student has {len(student.layers)} layers, teacher {len(teacher.layers)}: not the "
-                         "teacher this student was built from.")
-    fusions = {i: layer.self_attn.fusion for i, layer in enumerate(student.layers)
-               if getattr(layer.self_attn, "fusion", None) is not None}
+        raise ValueError(
+            f"student has {len(student.layers)} layers, teacher {len(teacher.layers)}: not the "
+            "teacher this student was built from."
+        )
+    fusions = {
+        i: layer.self_attn.fusion
+        for i, layer in enumerate(student.layers)
+        if getattr(layer.self_attn, "fusion", None) is not None
+    }
     if not fusions:
         return {}
     granularity = next(iter(fusions.values())).granularity

@@ -22,6 +22,7 @@ Initialisation (the student should start close to the teacher):
 - W_z = 0, b_z = silu⁻¹(1) ≈ 1.2785: the gate is exactly 1 at init, so the gated norm is a plain RMSNorm.
 Zero kernels still get gradients (∂L/∂W = xᵀ ∂L/∂a), and they make the initial student independent of the seed.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,7 +64,7 @@ def _conv_valid(padded: jax.Array, weight: jax.Array) -> jax.Array:
     """
     width = weight.shape[0]
     t = padded.shape[1] - width + 1
-    return sum(padded[:, j:j + t] * weight[j] for j in range(width))
+    return sum(padded[:, j : j + t] * weight[j] for j in range(width))
 
 
 def _conv_valid_fwd(padded, weight):
@@ -74,9 +75,8 @@ def _conv_valid_bwd(res, dy):
     padded, weight = res
     width = weight.shape[0]
     t = dy.shape[1]
-    dpadded = sum(jax.lax.pad(dy * weight[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)])
-                  for j in range(width))
-    dweight = jnp.stack([jnp.sum(dy * padded[:, j:j + t], axis=(0, 1)) for j in range(width)])
+    dpadded = sum(jax.lax.pad(dy * weight[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)]) for j in range(width))
+    dweight = jnp.stack([jnp.sum(dy * padded[:, j : j + t], axis=(0, 1)) for j in range(width)])
     return dpadded, dweight
 
 
@@ -103,11 +103,11 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array, state: jax.Array | No
 class GatedDeltaNetHeads(nnx.Module):
     """The GDN heads of one layer's LA groups; all its parameters live under this submodule (path ``gdn``)."""
 
-    def __init__(self, cfg: ModelConfig, hybrid_cfg: HybridConfig, la_groups: tuple[int, ...], *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, hybrid_cfg: HybridConfig, la_groups: tuple[int, ...], *, rngs: nnx.Rngs):
         if not la_groups:
-            raise ValueError("GatedDeltaNetHeads needs at least one LA group; a layer without LA groups has no "
-                             "GDN heads.")
+            raise ValueError(
+                "GatedDeltaNetHeads needs at least one LA group; a layer without LA groups has no GDN heads."
+            )
         self.cfg, self.hybrid_cfg = cfg, hybrid_cfg
         self.la_groups = tuple(la_groups)
         self.num_kv = len(la_groups)
@@ -119,18 +119,23 @@ class GatedDeltaNetHeads(nnx.Module):
         self.a_proj = nnx.Linear(d, n, use_bias=False, kernel_init=param_init(zeros, ("embed", None)), **linear)
         self.b_proj = nnx.Linear(d, n, use_bias=False, kernel_init=param_init(zeros, ("embed", None)), **linear)
         self.A_log = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("norm",), eager_sharding=False)
-        self.dt_bias = nnx.Param(jnp.asarray(inverse_softplus(initial_dt(n)), pdt), out_sharding=("norm",),
-                                 eager_sharding=False)
+        self.dt_bias = nnx.Param(
+            jnp.asarray(inverse_softplus(initial_dt(n)), pdt), out_sharding=("norm",), eager_sharding=False
+        )
         if hybrid_cfg.use_conv:
             channels = (n + 2 * self.num_kv) * hd  # q of the LA query heads, k and v of their KV heads
             weight = jnp.zeros((hybrid_cfg.conv_size, channels), pdt).at[-1].set(1)
             self.conv_weight = nnx.Param(weight, out_sharding=(None, None), eager_sharding=False)
         if hybrid_cfg.use_output_gate:
-            self.z_proj = nnx.Linear(d, n * hd, use_bias=True, kernel_init=param_init(zeros, ("embed", "heads")),
-                                     bias_init=param_init(nnx.initializers.constant(SILU_INV_ONE), ("heads",)),
-                                     **linear)
-            self.o_norm_weight = nnx.Param(jnp.ones((n, hd), pdt), out_sharding=(None, "norm"),
-                                           eager_sharding=False)
+            self.z_proj = nnx.Linear(
+                d,
+                n * hd,
+                use_bias=True,
+                kernel_init=param_init(zeros, ("embed", "heads")),
+                bias_init=param_init(nnx.initializers.constant(SILU_INV_ONE), ("heads",)),
+                **linear,
+            )
+            self.o_norm_weight = nnx.Param(jnp.ones((n, hd), pdt), out_sharding=(None, "norm"), eager_sharding=False)
 
     # ------------------------------------------------------------------------------------------ pieces
     def decay_and_beta(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -164,8 +169,15 @@ class GatedDeltaNetHeads(nnx.Module):
         return (o32 * self.o_norm_weight[...].astype(jnp.float32) * jax.nn.silu(z)).astype(o.dtype)
 
     # ------------------------------------------------------------------------------------------ forward
-    def __call__(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                 cache: dict[str, Any] | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
+    def __call__(
+        self,
+        x: jax.Array,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, Any] | None = None,
+    ) -> tuple[jax.Array, dict[str, Any] | None]:
         """x [B,T,d]; q [B,T,H_la,D] and k, v [B,T,H_kv_la,D] from the teacher's projections, *before* RoPE.
 
         Without a cache: the chunked rule from a zero state (training). With one (keys ``gdn_state``
@@ -185,14 +197,23 @@ class GatedDeltaNetHeads(nnx.Module):
         v = jnp.repeat(v, cfg.group_size, axis=2)
         g, beta = self.decay_and_beta(x)
         if cache is not None and q.shape[1] == 1:
-            o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["gdn_state"],
-                                             use_qk_l2norm=True)
+            o, state = gated_delta_rule_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["gdn_state"], use_qk_l2norm=True
+            )
             o = o[:, None]
         else:
             o, state = chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=None if cache is None else cache["gdn_state"],
-                output_final_state=cache is not None, use_qk_l2norm=True, chunk_size=hc.gdn_chunk_size,
-                implementation=hc.gdn_implementation)
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=None if cache is None else cache["gdn_state"],
+                output_final_state=cache is not None,
+                use_qk_l2norm=True,
+                chunk_size=hc.gdn_chunk_size,
+                implementation=hc.gdn_implementation,
+            )
         if cache is not None:
             new_cache["gdn_state"] = state
         if hc.use_output_gate:

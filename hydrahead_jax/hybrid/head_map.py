@@ -14,6 +14,7 @@ File format (``format_version`` 1)::
 
 A ratio "a:b" reads LA:FA (the paper's "7:1" keeps 1 head in 8 as FA), so its FA fraction is b / (a + b).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,8 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hydrahead_jax.config import ModelConfig
 
@@ -57,8 +59,10 @@ def parse_ratio(ratio: str | float | int) -> float:
         except HeadMapError:
             raise
         except ValueError:
-            raise HeadMapError(f"cannot parse ratio {ratio!r}; write 'LA:FA' like '7:1', a percentage like "
-                               "'25%', or an FA fraction like '0.25'.") from None
+            raise HeadMapError(
+                f"cannot parse ratio {ratio!r}; write 'LA:FA' like '7:1', a percentage like "
+                "'25%', or an FA fraction like '0.25'."
+            ) from None
     else:
         raise HeadMapError(f"ratio must be a string or a number, got {type(ratio).__name__}.")
     if not (0.0 <= fraction <= 1.0) or not math.isfinite(fraction):
@@ -79,8 +83,10 @@ def fa_budget(cfg: ModelConfig, ratio: str | float, allocation: str) -> int:
     count = int(math.floor(fraction * pool + 0.5))
     if fraction > 0 and count == 0:
         hint = " use allocation='global'" if allocation == "per_layer" else " choose a larger FA fraction"
-        raise HeadMapError(f"ratio {ratio!r} (FA fraction {fraction:.4g}) of {pool} KV groups "
-                           f"({allocation}) rounds to 0 FA groups;{hint}.")
+        raise HeadMapError(
+            f"ratio {ratio!r} (FA fraction {fraction:.4g}) of {pool} KV groups "
+            f"({allocation}) rounds to 0 FA groups;{hint}."
+        )
     return count
 
 
@@ -102,33 +108,47 @@ class HeadMap:
         return {f: getattr(cfg, f) for f in _MODEL_FIELDS}
 
     @classmethod
-    def from_fa_groups(cls, cfg: ModelConfig, fa_groups: Sequence[Sequence[int]], *, method: str,
-                       target_ratio: str | float | None = None, allocation: str = "per_layer",
-                       probe: dict[str, Any] | None = None,
-                       scores: dict[str, Any] | None = None) -> "HeadMap":
+    def from_fa_groups(
+        cls,
+        cfg: ModelConfig,
+        fa_groups: Sequence[Sequence[int]],
+        *,
+        method: str,
+        target_ratio: str | float | None = None,
+        allocation: str = "per_layer",
+        probe: dict[str, Any] | None = None,
+        scores: dict[str, Any] | None = None,
+    ) -> HeadMap:
         """A validated map for ``cfg`` with the given FA groups per layer (sorted on the way in)."""
         groups = [sorted(int(g) for g in layer) for layer in fa_groups]
         scores = {name: [[float(s) for s in row] for row in matrix] for name, matrix in (scores or {}).items()}
         ratio = None if target_ratio is None else str(target_ratio)
-        head_map = cls(model=cls.model_identity(cfg), fa_groups=groups, method=method, target_ratio=ratio,
-                       allocation=allocation, probe=dict(probe or {}), scores=scores)
+        head_map = cls(
+            model=cls.model_identity(cfg),
+            fa_groups=groups,
+            method=method,
+            target_ratio=ratio,
+            allocation=allocation,
+            probe=dict(probe or {}),
+            scores=scores,
+        )
         head_map.validate(cfg)
         return head_map
 
     @classmethod
-    def all_fa(cls, cfg: ModelConfig) -> "HeadMap":
+    def all_fa(cls, cfg: ModelConfig) -> HeadMap:
         """Every group FA: the teacher."""
-        return cls.from_fa_groups(cfg, [range(cfg.num_kv_heads)] * cfg.num_layers, method="all_fa",
-                                  target_ratio="0:1")
+        return cls.from_fa_groups(cfg, [range(cfg.num_kv_heads)] * cfg.num_layers, method="all_fa", target_ratio="0:1")
 
     @classmethod
-    def all_la(cls, cfg: ModelConfig) -> "HeadMap":
+    def all_la(cls, cfg: ModelConfig) -> HeadMap:
         """Every group Gated DeltaNet."""
         return cls.from_fa_groups(cfg, [[]] * cfg.num_layers, method="all_la", target_ratio="1:0")
 
     @classmethod
-    def layerwise(cls, cfg: ModelConfig, ratio: str | float | None = None,
-                  fa_layers: Sequence[int] | None = None) -> "HeadMap":
+    def layerwise(
+        cls, cfg: ModelConfig, ratio: str | float | None = None, fa_layers: Sequence[int] | None = None
+    ) -> HeadMap:
         """Layer-wise hybrid baseline: whole layers FA (all groups) or LA (none), from a layer list or a ratio.
 
         From a ratio with FA fraction f: when 1/f is an integer p (3:1 → 4, 7:1 → 8) every p-th layer ending at
@@ -155,9 +175,13 @@ class HeadMap:
                     raise HeadMapError(f"fa_layers: layer {layer!r} is not an index in [0, {L}).")
                 chosen.add(layer)
         all_groups = list(range(cfg.num_kv_heads))
-        return cls.from_fa_groups(cfg, [all_groups if i in chosen else [] for i in range(L)], method="layerwise",
-                                  target_ratio=None if ratio is None else str(ratio),
-                                  probe={"fa_layers": sorted(chosen)})
+        return cls.from_fa_groups(
+            cfg,
+            [all_groups if i in chosen else [] for i in range(L)],
+            method="layerwise",
+            target_ratio=None if ratio is None else str(ratio),
+            probe={"fa_layers": sorted(chosen)},
+        )
 
     # ------------------------------------------------------------------------------------------ queries
     @property
@@ -173,14 +197,17 @@ class HeadMap:
         return self.num_fa_groups() / total
 
     # ------------------------------------------------------------------------------------------ validation
-    def validate(self, cfg: ModelConfig | None = None, *, source: str = "head map") -> "HeadMap":
+    def validate(self, cfg: ModelConfig | None = None, *, source: str = "head map") -> HeadMap:
         """Raise HeadMapError naming ``source``, the field and the fix when the map is malformed or misfits cfg."""
+
         def fail(msg):
             raise HeadMapError(f"{source}: {msg}")
 
         if self.format_version != FORMAT_VERSION:
-            fail(f"format_version {self.format_version!r} is not supported (this code reads {FORMAT_VERSION}); "
-                 "regenerate the map with this version of hydrahead-jax.")
+            fail(
+                f"format_version {self.format_version!r} is not supported (this code reads {FORMAT_VERSION}); "
+                "regenerate the map with this version of hydrahead-jax."
+            )
         if self.granularity != GRANULARITY:
             fail(f"granularity {self.granularity!r}: only {GRANULARITY!r} is supported.")
         if self.allocation not in ALLOCATIONS:
@@ -196,8 +223,10 @@ class HeadMap:
         if cfg is not None:
             for f in _MODEL_FIELDS[1:]:
                 if self.model[f] != getattr(cfg, f):
-                    fail(f"model.{f}={self.model[f]} but the model has {f}={getattr(cfg, f)}; this map was made "
-                         f"for another model ({self.model.get('name')!r}). Select heads for this model instead.")
+                    fail(
+                        f"model.{f}={self.model[f]} but the model has {f}={getattr(cfg, f)}; this map was made "
+                        f"for another model ({self.model.get('name')!r}). Select heads for this model instead."
+                    )
         if not isinstance(self.fa_groups, list) or len(self.fa_groups) != L:
             n = len(self.fa_groups) if isinstance(self.fa_groups, list) else type(self.fa_groups).__name__
             fail(f"fa_groups has {n} layers but the model has {L}; give one list of FA KV groups per layer.")
@@ -214,8 +243,11 @@ class HeadMap:
             if list(layer) != sorted(layer):
                 fail(f"fa_groups[{i}]={layer} is not sorted; write the groups in increasing order.")
         for name, matrix in self.scores.items():
-            ok = (isinstance(matrix, list) and len(matrix) == L
-                  and all(isinstance(row, list) and len(row) == G for row in matrix))
+            ok = (
+                isinstance(matrix, list)
+                and len(matrix) == L
+                and all(isinstance(row, list) and len(row) == G for row in matrix)
+            )
             if not ok:
                 fail(f"scores[{name!r}] must be a [{L}][{G}] matrix (layers × KV groups).")
             if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for row in matrix for s in row):
@@ -227,7 +259,7 @@ class HeadMap:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "head map") -> "HeadMap":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "head map") -> HeadMap:
         if not isinstance(data, dict):
             raise HeadMapError(f"{source}: expected a JSON object, got {type(data).__name__}.")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -258,15 +290,14 @@ class HeadMap:
             raise
 
     @classmethod
-    def load(cls, path: str | os.PathLike, cfg: ModelConfig | None = None) -> "HeadMap":
+    def load(cls, path: str | os.PathLike, cfg: ModelConfig | None = None) -> HeadMap:
         """Read and validate a map (against ``cfg`` when given)."""
         path = os.fspath(path)
         try:
             with open(path) as f:
                 data = json.load(f)
         except FileNotFoundError:
-            raise HeadMapError(f"head map file {path!r} does not exist; run head selection (stage 0) first.") \
-                from None
+            raise HeadMapError(f"head map file {path!r} does not exist; run head selection (stage 0) first.") from None
         except json.JSONDecodeError as e:
             raise HeadMapError(f"head map file {path!r} is not valid JSON ({e}).") from None
         head_map = cls.from_dict(data, source=path)

@@ -13,6 +13,7 @@ splits the groups:
 
 A layer whose groups are all FA is the teacher's layer unchanged (no fusion), whatever ``hybrid_cfg`` says.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,9 @@ def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
     return jnp.take(x, np.asarray(heads), axis=2)
 
 
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
-                     scale: float) -> jax.Array:
+def cached_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, scale: float
+) -> jax.Array:
     """Softmax attention of a few new queries q [B,T,Hq,D] against a cache [B,S,Hkv,D] holding ``length`` valid keys.
 
     The T new queries sit at positions length−T … length−1: query t sees keys j ≤ length − T + t. Scores are
@@ -71,20 +73,30 @@ class Attention(nnx.Module):
     groups run Gated DeltaNet (submodule ``gdn``), outputs pass scale-normalised fusion (submodule ``fusion``).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, fa_groups: tuple[int, ...] | None = None,
-                 attention_impl: str = "auto", hybrid_cfg: "HybridConfig | None" = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        fa_groups: tuple[int, ...] | None = None,
+        attention_impl: str = "auto",
+        hybrid_cfg: HybridConfig | None = None,
+    ):
         self.cfg = cfg
         self.attention_impl = attention_impl
         all_groups = tuple(range(cfg.num_kv_heads))
         self.fa_groups = all_groups if fa_groups is None else tuple(sorted(int(g) for g in fa_groups))
         bad = [g for g in self.fa_groups if not 0 <= g < cfg.num_kv_heads]
         if bad or len(set(self.fa_groups)) != len(self.fa_groups):
-            raise ValueError(f"fa_groups={tuple(fa_groups)} must be distinct KV group indices in "
-                             f"[0, {cfg.num_kv_heads}).")
+            raise ValueError(
+                f"fa_groups={tuple(fa_groups)} must be distinct KV group indices in [0, {cfg.num_kv_heads})."
+            )
         self.la_groups = tuple(g for g in all_groups if g not in self.fa_groups)
         if self.la_groups and hybrid_cfg is None:
-            raise ValueError(f"fa_groups={self.fa_groups} leaves KV groups {self.la_groups} without softmax "
-                             "attention; pass hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads.")
+            raise ValueError(
+                f"fa_groups={self.fa_groups} leaves KV groups {self.la_groups} without softmax "
+                "attention; pass hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads."
+            )
         # A layer without LA groups is the teacher's layer: nothing to fuse, so no hybrid machinery.
         self.hybrid_cfg = hybrid_cfg if self.la_groups else None
         kw = dict(rngs=rngs, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_dtype)
@@ -112,14 +124,19 @@ class Attention(nnx.Module):
         self.gdn = GatedDeltaNetHeads(cfg, hc, self.la_groups, rngs=rngs)
         if hc.fusion != "none":
             heads = self.la_heads if hc.fusion == "la_only" else tuple(range(cfg.num_heads))
-            self.fusion = ScaleFusion(heads, cfg.head_dim, granularity=hc.fusion_granularity,
-                                      eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+            self.fusion = ScaleFusion(
+                heads,
+                cfg.head_dim,
+                granularity=hc.fusion_granularity,
+                eps=cfg.rms_norm_eps,
+                param_dtype=cfg.jnp_param_dtype,
+            )
         else:
             self.fusion = None
 
     @property
     def scale(self) -> float:
-        return self.cfg.head_dim ** -0.5
+        return self.cfg.head_dim**-0.5
 
     def project_heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B,T,d] → q [B,T,Hq,D], k, v [B,T,Hkv,D], with q/k norm but before RoPE."""
@@ -156,8 +173,9 @@ class Attention(nnx.Module):
         out = flash_attention(q, k, v, causal=True, scale=self.scale, implementation=self.attention_impl)
         return out, cache
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None,
-                 cache_index: jax.Array | None = None) -> tuple[jax.Array, LayerCache | None]:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None, cache_index: jax.Array | None = None
+    ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
         if self.hybrid_cfg is not None:
             out, cache = self.hybrid_heads(x, positions, cache, cache_index)
@@ -180,8 +198,14 @@ class Attention(nnx.Module):
             if cache is not None:
                 new_cache.update(fa_cache)
         la_cache = None if cache is None else {key: cache[key] for key in ("gdn_state", "conv_state") if key in cache}
-        o_la, la_cache = self.gdn(x, take_heads(q, self.la_heads), take_heads(k, self.la_groups),
-                                  take_heads(v, self.la_groups), positions, la_cache)
+        o_la, la_cache = self.gdn(
+            x,
+            take_heads(q, self.la_heads),
+            take_heads(k, self.la_groups),
+            take_heads(v, self.la_groups),
+            positions,
+            la_cache,
+        )
         if cache is not None:
             new_cache.update(la_cache)
         if self.hybrid_cfg.fusion == "la_only":

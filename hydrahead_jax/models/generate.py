@@ -4,10 +4,11 @@ Works for every model variant: the cache holds whatever each layer's attention k
 a constant-size state for linear-attention groups). Functions are jitted on (graphdef, state) so that a
 generation loop costs one compiled call per token and no graph walk.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,16 @@ def _pick(logits: jax.Array, temperature: float, key: jax.Array | None) -> jax.A
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
-def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int, *,
-             temperature: float = 0.0, seed: int = 0, eos_id: int | None = None,
-             return_logits: bool = False):
+def generate(
+    model: nnx.Module,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    return_logits: bool = False,
+):
     """Continue equal-length prompts [B, T]; greedy when temperature is 0. Returns new tokens [B, N] (np.int32).
 
     Stops early once every sequence has produced ``eos_id``. With ``return_logits`` also returns the logits

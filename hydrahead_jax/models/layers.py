@@ -5,6 +5,7 @@ maps them to mesh axes through one table of rules (``hydrahead_jax.training.shar
 ``vocab``, ``embed`` (model width), ``heads`` (query heads x head_dim, flattened), ``kv_heads`` (KV heads x
 head_dim), ``mlp`` (MLP width), ``head_dim``, ``norm`` (never sharded).
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,13 +18,29 @@ def param_init(init, axes: tuple[str | None, ...]):
     return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
-def dense(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, rngs: nnx.Rngs,
-          param_dtype, dtype, use_bias: bool = False, init_scale: float = 1.0) -> nnx.Linear:
+def dense(
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    rngs: nnx.Rngs,
+    param_dtype,
+    dtype,
+    use_bias: bool = False,
+    init_scale: float = 1.0,
+) -> nnx.Linear:
     """A Linear whose kernel is [in, out] (the transpose of a torch weight) with logical axes ``axes``."""
     init = nnx.initializers.variance_scaling(init_scale, "fan_in", "truncated_normal")
-    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                      kernel_init=param_init(init, axes),
-                      bias_init=param_init(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=param_init(init, axes),
+        bias_init=param_init(nnx.initializers.zeros_init(), (axes[1],)),
+        rngs=rngs,
+    )
 
 
 class RMSNorm(nnx.Module):
@@ -59,7 +76,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float, interleaved:
         a, b = x32[..., 0::2], x32[..., 1::2]
         out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
     else:
-        a, b = x32[..., : d // 2], x32[..., d // 2:]
+        a, b = x32[..., : d // 2], x32[..., d // 2 :]
         out = jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     return out.astype(x.dtype)
 

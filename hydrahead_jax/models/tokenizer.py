@@ -5,6 +5,7 @@ type (``gpt2`` = byte-level BPE), the tokens in id order, the merges, each token
 4 user-defined) and the pre-tokenizer name (``tokenizer.ggml.pre``). We rebuild the same `tokenizers.Tokenizer`
 the original repository ships, so ids agree with transformers and llama.cpp.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,20 +13,30 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from hydrahead_jax.models.loaders import CheckpointError, gguf_field, resolve_source
 
 # Pre-tokenizer regexes by llama.cpp's ``tokenizer.ggml.pre`` name (the split a vocabulary's merges were learned on).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's "smollm" (and StarCoder's family): every digit on its own, then the GPT-2 split, which is what
 # SmolLM2's tokenizer.json spells as Digits(individual_digits=True) + ByteLevel(use_regex=True).
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b")
-_SPLIT_REGEXES = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                  "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_SPLIT_REGEXES = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 _PLAIN_GPT2 = ("gpt2", "gpt-2", "default", "")
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -36,18 +47,28 @@ def _byte_alphabet() -> set[str]:
 
 def _pre_tokenizer(pre: str, path):
     if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre in _SPLIT_REGEXES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre in _PLAIN_GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    raise CheckpointError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
-                          f"{sorted(set(_DIGITS_THEN_GPT2) | set(_SPLIT_REGEXES) | set(_PLAIN_GPT2) - {''})}.")
+    raise CheckpointError(
+        f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
+        f"{sorted(set(_DIGITS_THEN_GPT2) | set(_SPLIT_REGEXES) | set(_PLAIN_GPT2) - {''})}."
+    )
 
 
-def tokenizer_from_gguf(path: str | os.PathLike) -> "Tokenizer":
+def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
     """Rebuild a byte-level BPE tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata."""
     from gguf import GGUFReader
 
@@ -55,8 +76,10 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> "Tokenizer":
     reader = GGUFReader(path)
     kind = gguf_field(reader, "tokenizer.ggml.model", "<absent>")
     if kind != "gpt2":
-        raise CheckpointError(f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
-                              "('gpt2', used by SmolLM2, Llama 3, Qwen2/3) is.")
+        raise CheckpointError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
+            "('gpt2', used by SmolLM2, Llama 3, Qwen2/3) is."
+        )
     tokens = list(gguf_field(reader, "tokenizer.ggml.tokens", path=path))
     merges = [tuple(m.split(" ")) for m in gguf_field(reader, "tokenizer.ggml.merges", path=path)]
     types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -68,30 +91,51 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> "Tokenizer":
     for i, tok in enumerate(tokens):
         spelled = tok if set(tok) <= alphabet else "".join(byte_encoder[b] for b in tok.encode("utf-8"))
         vocab.setdefault(spelled, i)
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                     end_of_word_suffix="", fuse_unk=False))
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     backend.pre_tokenizer = _pre_tokenizer(str(gguf_field(reader, "tokenizer.ggml.pre", "default")), path)
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|endoftext|>) must match whole in text and be skippable on decode;
     # user-defined ones match whole but are ordinary text.
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet])
-    backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types)
+            if ty == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types)
+            if ty == _USER_DEFINED and t in vocab
+        ]
+    )
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     template = reader.fields.get("tokenizer.chat_template")
-    return Tokenizer(backend,
-                     name=str(gguf_field(reader, "general.name", path.stem)),
-                     bos_id=int(bos.contents()) if bos is not None else None,
-                     eos_id=int(eos.contents()) if eos is not None else None,
-                     chat_template=template.contents() if template is not None else None)
+    return Tokenizer(
+        backend,
+        name=str(gguf_field(reader, "general.name", path.stem)),
+        bos_id=int(bos.contents()) if bos is not None else None,
+        eos_id=int(eos.contents()) if eos is not None else None,
+        chat_template=template.contents() if template is not None else None,
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level alphabet's spelling of every byte)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -102,13 +146,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def tokenizer_from_folder(path: str | os.PathLike) -> "Tokenizer":
+def tokenizer_from_folder(path: str | os.PathLike) -> Tokenizer:
     """A Hugging Face folder's tokenizer.json, with bos/eos from tokenizer_config.json or config.json."""
     path = Path(path)
     file = path / "tokenizer.json"
     if not file.is_file():
-        raise CheckpointError(f"{path}: tokenizer.json is missing; the folder needs a fast-tokenizer file "
-                              "(save it with AutoTokenizer.save_pretrained).")
+        raise CheckpointError(
+            f"{path}: tokenizer.json is missing; the folder needs a fast-tokenizer file "
+            "(save it with AutoTokenizer.save_pretrained)."
+        )
     backend = HFTokenizer.from_file(str(file))
     tok_cfg = _read_json(path / "tokenizer_config.json")
     model_cfg = _read_json(path / "config.json")
@@ -122,15 +168,20 @@ def tokenizer_from_folder(path: str | os.PathLike) -> "Tokenizer":
         value = model_cfg.get(f"{kind}_token_id")
         return value[0] if isinstance(value, list) else value
 
-    return Tokenizer(backend, name=str(model_cfg.get("_name_or_path") or path.name), bos_id=token_id("bos"),
-                     eos_id=token_id("eos"), chat_template=tok_cfg.get("chat_template"))
+    return Tokenizer(
+        backend,
+        name=str(model_cfg.get("_name_or_path") or path.name),
+        bos_id=token_id("bos"),
+        eos_id=token_id("eos"),
+        chat_template=tok_cfg.get("chat_template"),
+    )
 
 
 def _read_json(file: Path) -> dict:
     return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def load_tokenizer(source: str | os.PathLike) -> "Tokenizer":
+def load_tokenizer(source: str | os.PathLike) -> Tokenizer:
     """The tokenizer of ``"smollm2-135m"``, a ``.gguf`` file or a Hugging Face folder."""
     path = resolve_source(source)
     return tokenizer_from_gguf(path) if path.is_file() else tokenizer_from_folder(path)
@@ -142,8 +193,15 @@ class Tokenizer:
     ``encode`` adds no BOS/EOS, but special-token strings in the text (``<|im_start|>``) map to their ids.
     """
 
-    def __init__(self, backend: HFTokenizer, *, name: str, bos_id: int | None, eos_id: int | None,
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        name: str,
+        bos_id: int | None,
+        eos_id: int | None,
+        chat_template: str | None = None,
+    ):
         self.backend = backend
         self.name = name
         self.bos_id = bos_id
@@ -179,8 +237,9 @@ class Tokenizer:
             model = json.loads(self.backend.to_str()).get("model", {})
             merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
             pre = json.loads(self.backend.to_str()).get("pre_tokenizer")
-            blob = json.dumps({"vocab": vocab, "merges": merges, "pre_tokenizer": pre}, ensure_ascii=False,
-                              sort_keys=True)
+            blob = json.dumps(
+                {"vocab": vocab, "merges": merges, "pre_tokenizer": pre}, ensure_ascii=False, sort_keys=True
+            )
             self._fingerprint = hashlib.sha256(blob.encode("utf-8")).hexdigest()
         return self._fingerprint
 
@@ -194,8 +253,11 @@ class Tokenizer:
         except ImportError as e:  # jinja2 comes with torch/transformers but is not a core dependency
             raise ImportError("apply_chat_template needs jinja2: pip install jinja2") from e
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                          add_generation_prompt=add_generation_prompt)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
 
     def __repr__(self) -> str:
-        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+        return (
+            f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+        )

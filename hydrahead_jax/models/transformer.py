@@ -7,9 +7,11 @@
 
 Layers are a Python list, not a scan: a HydraHead student gives each layer its own static set of FA groups.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +29,10 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, attention: nnx.Module, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
-                                                param_dtype=cfg.jnp_param_dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=cfg.jnp_param_dtype,
-                       dtype=cfg.jnp_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.mlp = MLP(
+            cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_dtype
+        )
 
     def __call__(self, h, positions, cache=None, cache_index=None, intermediates: dict | None = None):
         attn_in = self.input_layernorm(h)
@@ -57,25 +59,47 @@ def remat_call(module: nnx.Module, *args):
 class Transformer(nnx.Module):
     """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_factory: AttentionFactory | None = None,
-                 attention_impl: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        attention_factory: AttentionFactory | None = None,
+        attention_impl: str = "auto",
+    ):
         self.cfg = cfg
         if attention_factory is None:
             attention_factory = lambda i, r: Attention(cfg, rngs=r, attention_impl=attention_impl)  # noqa: E731
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
-                                      param_dtype=cfg.jnp_param_dtype,
-                                      embedding_init=param_init(nnx.initializers.normal(0.02), ("vocab", "embed")),
-                                      rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_param_dtype,
+            embedding_init=param_init(nnx.initializers.normal(0.02), ("vocab", "embed")),
+            rngs=rngs,
+        )
         self.layers = nnx.List([Block(cfg, attention_factory(i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
-                                      param_dtype=cfg.jnp_param_dtype,
-                                      kernel_init=param_init(nnx.initializers.normal(0.02), ("embed", "vocab")),
-                                      rngs=rngs)
+            self.lm_head = nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=cfg.jnp_dtype,
+                param_dtype=cfg.jnp_param_dtype,
+                kernel_init=param_init(nnx.initializers.normal(0.02), ("embed", "vocab")),
+                rngs=rngs,
+            )
 
-    def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                      cache: dict[str, Any] | None = None, intermediates: dict | None = None, remat: bool = False):
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache: dict[str, Any] | None = None,
+        intermediates: dict | None = None,
+        remat: bool = False,
+    ):
         """Final normalised hidden states [B,T,d] (and the updated cache when one is given).
 
         With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
@@ -84,8 +108,9 @@ class Transformer(nnx.Module):
         inputs [B,T,d] are kept between forward and backward instead of every layer's intermediates.
         """
         if remat and (cache is not None or intermediates is not None):
-            raise ValueError("remat=True is for training forward passes: it cannot be combined with a cache or "
-                             "with intermediates.")
+            raise ValueError(
+                "remat=True is for training forward passes: it cannot be combined with a cache or with intermediates."
+            )
         b, t = input_ids.shape
         cache_index = None if cache is None else cache["index"]
         if positions is None:
@@ -110,8 +135,9 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 cache: dict[str, Any] | None = None):
+    def __call__(
+        self, input_ids: jax.Array, *, positions: jax.Array | None = None, cache: dict[str, Any] | None = None
+    ):
         """Logits [B,T,V]; with a cache, returns (logits, new_cache)."""
         h, new_cache = self.hidden_states(input_ids, positions=positions, cache=cache)
         logits = self.logits_from_hidden(h)
@@ -119,18 +145,23 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict[str, Any]:
         dtype = self.cfg.jnp_dtype if dtype is None else dtype
-        return {"index": jnp.zeros((), jnp.int32),
-                "layers": [layer.self_attn.init_cache(batch, max_len, dtype) for layer in self.layers]}
+        return {
+            "index": jnp.zeros((), jnp.int32),
+            "layers": [layer.self_attn.init_cache(batch, max_len, dtype) for layer in self.layers],
+        }
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Weights in Hugging Face naming and layout (torch Linear weights are [out, in]; ours are [in, out]).
 
+
 def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool]]:
     """HF tensor name → (our Variable, whether the HF tensor is transposed relative to ours)."""
     cfg = model.cfg
-    table: dict[str, tuple[nnx.Variable, bool]] = {"model.embed_tokens.weight": (model.embed_tokens.embedding, False),
-                                                    "model.norm.weight": (model.norm.weight, False)}
+    table: dict[str, tuple[nnx.Variable, bool]] = {
+        "model.embed_tokens.weight": (model.embed_tokens.embedding, False),
+        "model.norm.weight": (model.norm.weight, False),
+    }
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = (model.lm_head.kernel, True)
     for i, layer in enumerate(model.layers):
@@ -158,18 +189,24 @@ def load_hf_weights(model: Transformer, tensors: dict[str, np.ndarray], *, sourc
     missing = sorted(set(table) - set(tensors))
     unexpected = sorted(n for n in set(tensors) - set(table) - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if missing:
-        raise ValueError(f"{source}: missing tensors {missing[:8]}{' …' if len(missing) > 8 else ''} "
-                         f"({len(missing)} in all) for a {model.cfg.architecture} model with {model.cfg.num_layers} "
-                         "layers; is the checkpoint complete and does config.json match it?")
+        raise ValueError(
+            f"{source}: missing tensors {missing[:8]}{' …' if len(missing) > 8 else ''} "
+            f"({len(missing)} in all) for a {model.cfg.architecture} model with {model.cfg.num_layers} "
+            "layers; is the checkpoint complete and does config.json match it?"
+        )
     if unexpected:
-        raise ValueError(f"{source}: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all); the "
-                         "checkpoint does not match the config (another architecture or layer count?).")
+        raise ValueError(
+            f"{source}: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all); the "
+            "checkpoint does not match the config (another architecture or layer count?)."
+        )
     for name, (var, transposed) in table.items():
         value = np.asarray(tensors[name])
         if transposed:
             value = value.T
         if value.shape != var.shape:
             expected = var.shape[::-1] if transposed else var.shape
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(np.asarray(tensors[name]).shape)}, "
-                             f"expected {tuple(expected)} from the model config.")
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(np.asarray(tensors[name]).shape)}, "
+                f"expected {tuple(expected)} from the model config."
+            )
         var.set_value(jnp.asarray(value, dtype=var.dtype))

@@ -3,10 +3,11 @@
     python -m hydrahead_jax.selection --source smollm2-135m --ratio 7:1 --allocation global \
         --method combined --out runs/select
 """
+
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 from hydrahead_jax.selection.select import ALLOCATIONS, METHODS, SelectionConfig, run_selection
 
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None):
     settings = {k: v for k, v in args.items() if v is not None}
     sel = SelectionConfig.paper(**settings) if preset == "paper" else SelectionConfig(**settings)
     from hydrahead_jax.models import load_pretrained
+
     model, tokenizer = load_pretrained(source)
     return run_selection(model, tokenizer, sel, out)
 

@@ -7,23 +7,26 @@ The evaluation prompts use other seeds than the selection probes.
 
     python -m hydrahead_jax.selection.evidence --source smollm2-135m --head_map DIR/head_map.json
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from hydrahead_jax.selection import probes
-from hydrahead_jax.selection.select import SelectionConfig, fa_groups_as_pairs, make_haystack
+from hydrahead_jax.selection.select import fa_groups_as_pairs, make_haystack
 
 EVAL_SEED_OFFSET = 7_777_777  # keeps evaluation prompts disjoint from the selection probes' seeds
 
 
-def random_group_sets(num_layers: int, num_groups: int, count: int, draws: int, seed: int,
-                      exclude: Sequence[tuple[int, int]] = ()) -> list[list[list[int]]]:
+def random_group_sets(
+    num_layers: int, num_groups: int, count: int, draws: int, seed: int, exclude: Sequence[tuple[int, int]] = ()
+) -> list[list[list[int]]]:
     """``draws`` seeded uniform draws of ``count`` (layer, group) pairs (avoiding ``exclude``), as per-layer lists."""
     pool = [(l, g) for l in range(num_layers) for g in range(num_groups) if (l, g) not in set(exclude)]
     if count > len(pool):
@@ -38,10 +41,21 @@ def random_group_sets(num_layers: int, num_groups: int, count: int, draws: int, 
     return out
 
 
-def ablation_evidence(model, tokenizer, fa_groups: Sequence[Sequence[int]], *, tasks: Sequence[str] = (
-        "passkey", "niah_single"), num_prompts: int = 8, length: int = 512, random_draws: int = 5,
-        mode: str = "mean", seed: int = 0, exclude_selected: bool = True, haystack=None,
-        batch_size: int = 8) -> dict[str, Any]:
+def ablation_evidence(
+    model,
+    tokenizer,
+    fa_groups: Sequence[Sequence[int]],
+    *,
+    tasks: Sequence[str] = ("passkey", "niah_single"),
+    num_prompts: int = 8,
+    length: int = 512,
+    random_draws: int = 5,
+    mode: str = "mean",
+    seed: int = 0,
+    exclude_selected: bool = True,
+    haystack=None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Accuracy and mean answer log-prob of the teacher: clean, with the selected groups ablated, and with as many
     random groups ablated (``random_draws`` draws; with ``exclude_selected`` the random sets avoid the selected)."""
     if mode not in ("mean", "zero"):
@@ -50,23 +64,38 @@ def ablation_evidence(model, tokenizer, fa_groups: Sequence[Sequence[int]], *, t
     if length + 64 > cfg.max_position_embeddings:
         raise ValueError(f"length={length} exceeds the model's context ({cfg.max_position_embeddings}).")
     from hydrahead_jax.data.synthetic import generate
+
     haystack = make_haystack(tokenizer) if haystack is None else haystack
-    examples = [generate(tasks[i % len(tasks)], tokenizer, haystack, length=length,
-                         seed=seed + EVAL_SEED_OFFSET + i, depth=(i // len(tasks) + 0.5) /
-                         max(1, -(-num_prompts // len(tasks)))) for i in range(num_prompts)]
+    examples = [
+        generate(
+            tasks[i % len(tasks)],
+            tokenizer,
+            haystack,
+            length=length,
+            seed=seed + EVAL_SEED_OFFSET + i,
+            depth=(i // len(tasks) + 0.5) / max(1, -(-num_prompts // len(tasks))),
+        )
+        for i in range(num_prompts)
+    ]
     teacher = probes.functional_teacher(model)
     selected = fa_groups_as_pairs(fa_groups)
-    randoms = random_group_sets(cfg.num_layers, cfg.num_kv_heads, len(selected), random_draws, seed + 1,
-                                exclude=selected if exclude_selected else ())
+    randoms = random_group_sets(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        len(selected),
+        random_draws,
+        seed + 1,
+        exclude=selected if exclude_selected else (),
+    )
     variants = {"clean": None, "selected": [list(g) for g in fa_groups]}
     variants.update({f"random_{i}": r for i, r in enumerate(randoms)})
     correct = {name: [] for name in variants}
     logp = {name: [] for name in variants}
     for start in range(0, num_prompts, batch_size):
-        chunk = examples[start:start + batch_size]
+        chunk = examples[start : start + batch_size]
         batch = probes.make_batch([e.prompt_ids for e in chunk], [e.answer_ids for e in chunk])
         clean = probes.run_forward(teacher, batch, collect=(mode == "mean"))
-        fill = (probes.head_means(clean["heads"], batch.lengths) if mode == "mean" else None)
+        fill = probes.head_means(clean["heads"], batch.lengths) if mode == "mean" else None
         for name, groups in variants.items():
             if groups is None:
                 out = clean
@@ -76,17 +105,32 @@ def ablation_evidence(model, tokenizer, fa_groups: Sequence[Sequence[int]], *, t
             ok = np.all((out["pred"] == batch.targets) | ~batch.row_mask, axis=-1)
             correct[name].extend(ok.tolist())
             logp[name].extend(((out["logp"] * batch.row_mask).sum(-1)).tolist())
-    summary = {name: {"accuracy": float(np.mean(correct[name])), "mean_logp": float(np.mean(logp[name]))}
-               for name in variants}
+    summary = {
+        name: {"accuracy": float(np.mean(correct[name])), "mean_logp": float(np.mean(logp[name]))} for name in variants
+    }
     rand_acc = [summary[n]["accuracy"] for n in variants if n.startswith("random_")]
     rand_logp = [summary[n]["mean_logp"] for n in variants if n.startswith("random_")]
-    return {"settings": {"tasks": list(tasks), "num_prompts": num_prompts, "length": length, "mode": mode,
-                         "random_draws": random_draws, "num_groups_ablated": len(selected), "seed": seed,
-                         "exclude_selected": exclude_selected},
-            "clean": summary["clean"], "selected": summary["selected"],
-            "random": {"accuracy_mean": float(np.mean(rand_acc)), "accuracy_each": rand_acc,
-                       "mean_logp_mean": float(np.mean(rand_logp)), "mean_logp_each": rand_logp},
-            "per_prompt_tasks": [e.task for e in examples]}
+    return {
+        "settings": {
+            "tasks": list(tasks),
+            "num_prompts": num_prompts,
+            "length": length,
+            "mode": mode,
+            "random_draws": random_draws,
+            "num_groups_ablated": len(selected),
+            "seed": seed,
+            "exclude_selected": exclude_selected,
+        },
+        "clean": summary["clean"],
+        "selected": summary["selected"],
+        "random": {
+            "accuracy_mean": float(np.mean(rand_acc)),
+            "accuracy_each": rand_acc,
+            "mean_logp_mean": float(np.mean(rand_logp)),
+            "mean_logp_each": rand_logp,
+        },
+        "per_prompt_tasks": [e.task for e in examples],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -103,14 +147,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     from hydrahead_jax.hybrid.head_map import HeadMap
     from hydrahead_jax.models import load_pretrained
+
     model, tokenizer = load_pretrained(args.source)
     head_map = HeadMap.load(args.head_map, model.cfg)
     started = time.time()
-    result = ablation_evidence(model, tokenizer, head_map.fa_groups, tasks=args.tasks.split(","),
-                               num_prompts=args.num_prompts, length=args.length, random_draws=args.random_draws,
-                               mode=args.mode, seed=args.seed)
-    result["head_map"] = {"path": args.head_map, "method": head_map.method, "ratio": head_map.target_ratio,
-                          "allocation": head_map.allocation}
+    result = ablation_evidence(
+        model,
+        tokenizer,
+        head_map.fa_groups,
+        tasks=args.tasks.split(","),
+        num_prompts=args.num_prompts,
+        length=args.length,
+        random_draws=args.random_draws,
+        mode=args.mode,
+        seed=args.seed,
+    )
+    result["head_map"] = {
+        "path": args.head_map,
+        "method": head_map.method,
+        "ratio": head_map.target_ratio,
+        "allocation": head_map.allocation,
+    }
     result["seconds"] = round(time.time() - started, 1)
     text = json.dumps(result, indent=2)
     print(text)

@@ -1,17 +1,25 @@
 """Heatmaps of head-selection scores with the chosen FA groups marked (PNG, matplotlib Agg backend)."""
+
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def plot_scores(scores: dict[str, np.ndarray], fa_groups: Sequence[Sequence[int]], path: str | os.PathLike, *,
-                head_scores: np.ndarray | None = None, title: str = "") -> str:
+def plot_scores(
+    scores: dict[str, np.ndarray],
+    fa_groups: Sequence[Sequence[int]],
+    path: str | os.PathLike,
+    *,
+    head_scores: np.ndarray | None = None,
+    title: str = "",
+) -> str:
     """One panel per score matrix [layers × KV groups] (FA groups outlined), plus per-query-head retrieval
     scores [layers × query heads] when given (the heads of FA groups outlined). Writes ``path``; returns it."""
     import matplotlib
+
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -21,11 +29,23 @@ def plot_scores(scores: dict[str, np.ndarray], fa_groups: Sequence[Sequence[int]
     panels = [(name, np.asarray(m, np.float64), 1) for name, m in scores.items()]
     if head_scores is not None:
         num_groups = panels[0][1].shape[1]
-        panels.append(("retrieval per query head", np.asarray(head_scores, np.float64),
-                       np.asarray(head_scores).shape[1] // num_groups))
+        panels.append(
+            (
+                "retrieval per query head",
+                np.asarray(head_scores, np.float64),
+                np.asarray(head_scores).shape[1] // num_groups,
+            )
+        )
     num_layers = panels[0][1].shape[0]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.6 * len(panels) + 0.25 * sum(
-        m.shape[1] for _, m, _ in panels), max(3.0, 0.22 * num_layers + 1.2)), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(
+            2.2 + 1.6 * len(panels) + 0.25 * sum(m.shape[1] for _, m, _ in panels),
+            max(3.0, 0.22 * num_layers + 1.2),
+        ),
+        squeeze=False,
+    )
     for ax, (name, matrix, per_group) in zip(axes[0], panels):
         if matrix.shape[0] != len(fa_groups):
             raise ValueError(f"score matrix {name!r} has {matrix.shape[0]} layers, the head map {len(fa_groups)}.")
@@ -33,8 +53,11 @@ def plot_scores(scores: dict[str, np.ndarray], fa_groups: Sequence[Sequence[int]
         fig.colorbar(image, ax=ax, fraction=0.08, pad=0.03)
         for layer, groups in enumerate(fa_groups):
             for g in groups:  # outline the group's column span (its query heads in the per-head panel)
-                ax.add_patch(Rectangle((g * per_group - 0.5, layer - 0.5), per_group, 1.0, fill=False,
-                                       edgecolor="red", linewidth=1.6))
+                ax.add_patch(
+                    Rectangle(
+                        (g * per_group - 0.5, layer - 0.5), per_group, 1.0, fill=False, edgecolor="red", linewidth=1.6
+                    )
+                )
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("query head" if per_group > 1 else "KV group")
         ax.set_ylabel("layer")

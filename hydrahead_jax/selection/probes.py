@@ -24,20 +24,22 @@ Layers < l are unaffected, so the probe restarts from the clean residual stream 
 G = num_kv_heads variants of that layer as one batch: a model with L layers costs L batched restarts per prompt
 batch (compute ≈ G·L/2 clean forwards).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
 # ------------------------------------------------------------------------------------------------------------
 # Functional view of the teacher.
+
 
 class _Ends(nnx.Module):
     """The parts outside the layer stack: embedding, final norm, output head (shares the model's Variables)."""
@@ -92,8 +94,10 @@ def functional_teacher(model) -> FunctionalTeacher:
     layer_def = splits[0][0]
     for i, (gdef, _) in enumerate(splits):
         if gdef != layer_def:
-            raise ValueError(f"layer {i} differs in structure from layer 0: head selection probes a plain teacher "
-                             "(all layers softmax attention), not a hybrid student.")
+            raise ValueError(
+                f"layer {i} differs in structure from layer 0: head selection probes a plain teacher "
+                "(all layers softmax attention), not a hybrid student."
+            )
     layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits])
     ends_def, ends = nnx.split(_Ends(model))
     cfg = model.cfg
@@ -139,8 +143,9 @@ def _answer_logprobs(teacher, ends_state, h, rows, targets):
 
 
 @functools.partial(jax.jit, static_argnames=("teacher", "collect"))
-def _clean_forward(teacher: TeacherSpec, layers_state, ends_state, ids, rows, targets, head_keep, head_fill, *,
-                   collect: bool):
+def _clean_forward(
+    teacher: TeacherSpec, layers_state, ends_state, ids, rows, targets, head_keep, head_fill, *, collect: bool
+):
     """Forward over ids [B,T] with per-layer head replacement; answer log-probs and per-layer probes.
 
     head_keep [L,Hq] (1 keep, 0 replace) and head_fill [L,Hq,D] (the replacement) implement multi-group ablation;
@@ -213,8 +218,9 @@ def _group_deltas(teacher: TeacherSpec, block, h_in, heads, fill):
 
 
 @functools.partial(jax.jit, static_argnames=("teacher",))
-def _ablate_layer_rows(teacher: TeacherSpec, layers_state, ends_state, layer, h_rows, heads_rows, fill, keys,
-                       values, rows, targets):
+def _ablate_layer_rows(
+    teacher: TeacherSpec, layers_state, ends_state, layer, h_rows, heads_rows, fill, keys, values, rows, targets
+):
     """As ``_ablate_layer`` but the group is ablated only at the answer-predicting rows (scope "answer").
 
     Every other position keeps its clean residual stream, so later layers need only the rows: their queries
@@ -255,6 +261,7 @@ def _ablate_layer_rows(teacher: TeacherSpec, layers_state, ends_state, layer, h_
 # ------------------------------------------------------------------------------------------------------------
 # Batching prompts: right-padding is harmless under causal attention (no real position sees a pad).
 
+
 @dataclasses.dataclass
 class ProbeBatch:
     """Sequences right-padded to a common length, with the rows that predict each answer token."""
@@ -266,8 +273,9 @@ class ProbeBatch:
     row_mask: np.ndarray  # [B,N] bool: real continuation tokens
 
 
-def make_batch(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
-               multiple: int = 64) -> ProbeBatch:
+def make_batch(
+    prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *, pad_id: int = 0, multiple: int = 64
+) -> ProbeBatch:
     """Pack prompt + continuation sequences; T is rounded up to ``multiple`` so few shapes get compiled."""
     if len(prompts) != len(continuations) or not prompts:
         raise ValueError("make_batch needs one continuation per prompt and at least one prompt.")
@@ -282,11 +290,11 @@ def make_batch(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequenc
     targets = np.zeros((b, n), np.int32)
     mask = np.zeros((b, n), bool)
     for i, (p, c, s) in enumerate(zip(prompts, continuations, seqs)):
-        ids[i, :len(s)] = s
+        ids[i, : len(s)] = s
         # Unused rows repeat the last real one, so a scatter into these rows never writes anything different.
         rows[i] = len(p) - 1 + np.minimum(np.arange(n), len(c) - 1)
         targets[i] = np.asarray(c)[np.minimum(np.arange(n), len(c) - 1)]
-        mask[i, :len(c)] = True
+        mask[i, : len(c)] = True
     return ProbeBatch(ids, np.array([len(s) for s in seqs]), rows, targets, mask)
 
 
@@ -296,22 +304,34 @@ def _no_ablation(teacher: FunctionalTeacher):
     return keep, fill
 
 
-def run_forward(teacher: FunctionalTeacher, batch: ProbeBatch, *, head_keep=None, head_fill=None,
-                collect: bool = False) -> dict[str, np.ndarray]:
+def run_forward(
+    teacher: FunctionalTeacher, batch: ProbeBatch, *, head_keep=None, head_fill=None, collect: bool = False
+) -> dict[str, np.ndarray]:
     """The probing forward on a batch (clean unless head_keep/head_fill are given); results as numpy arrays."""
     keep0, fill0 = _no_ablation(teacher)
     keep = keep0 if head_keep is None else jnp.asarray(head_keep, jnp.float32)
     fill = fill0 if head_fill is None else jnp.asarray(head_fill, jnp.float32)
-    out = _clean_forward(teacher.spec, teacher.layers, teacher.ends, jnp.asarray(batch.ids),
-                         jnp.asarray(batch.rows), jnp.asarray(batch.targets), keep, fill, collect=collect)
+    out = _clean_forward(
+        teacher.spec,
+        teacher.layers,
+        teacher.ends,
+        jnp.asarray(batch.ids),
+        jnp.asarray(batch.rows),
+        jnp.asarray(batch.targets),
+        keep,
+        fill,
+        collect=collect,
+    )
     return {k: np.asarray(v) for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Retrieval score.
 
-def count_copies(argmax: np.ndarray, generated: Sequence[int], prompt_ids: Sequence[int],
-                 needle_positions: Sequence[int]) -> np.ndarray:
+
+def count_copies(
+    argmax: np.ndarray, generated: Sequence[int], prompt_ids: Sequence[int], needle_positions: Sequence[int]
+) -> np.ndarray:
     """Copied-needle fraction per head for one prompt: argmax [L,Hq,N] (decode step i's attention argmax).
 
     Head (l, h) copies at step i when argmax[l,h,i] is a needle position j with prompt_ids[j] == generated[i];
@@ -347,9 +367,10 @@ def aggregate_groups(head_scores: np.ndarray, num_kv_heads: int, how: str = "mea
 
 def _greedy(model, prompt_ids, max_new_tokens: int, eos_id):
     from hydrahead_jax.models.generate import generate
+
     out = generate(model, np.asarray([prompt_ids], np.int32), max_new_tokens, eos_id=eos_id)[0].tolist()
     if eos_id is not None and eos_id in out:
-        out = out[:out.index(eos_id)]
+        out = out[: out.index(eos_id)]
     return out
 
 
@@ -358,9 +379,17 @@ def answered(generated_text: str, answer_text: str) -> bool:
     return answer_text.strip() != "" and answer_text.strip() in generated_text
 
 
-def retrieval_scores(model, tokenizer, examples: Sequence[Any], *, decode: str = "greedy", max_extra_tokens: int = 4,
-                     batch_size: int = 8, group_aggregate: str = "mean", teacher: FunctionalTeacher | None = None,
-                     ) -> dict[str, Any]:
+def retrieval_scores(
+    model,
+    tokenizer,
+    examples: Sequence[Any],
+    *,
+    decode: str = "greedy",
+    max_extra_tokens: int = 4,
+    batch_size: int = 8,
+    group_aggregate: str = "mean",
+    teacher: FunctionalTeacher | None = None,
+) -> dict[str, Any]:
     """Retrieval score of every query head and KV group over NIAH ``examples``.
 
     examples: objects with ``prompt_ids``, ``answer_ids``, ``answer_text``, ``needle_positions`` (the synthetic
@@ -390,23 +419,35 @@ def retrieval_scores(model, tokenizer, examples: Sequence[Any], *, decode: str =
             if decode == "greedy":
                 correct = answered(tokenizer.decode(gen), ex.answer_text)
             else:
-                correct = bool(np.all(out["pred"][bi, :len(gen)] == np.asarray(gen)))
-            argmax = out["argmax"][:, bi, :, :len(gen)]  # [L,Hq,N]
+                correct = bool(np.all(out["pred"][bi, : len(gen)] == np.asarray(gen)))
+            argmax = out["argmax"][:, bi, :, : len(gen)]  # [L,Hq,N]
             copies = count_copies(argmax, gen, ex.prompt_ids, ex.needle_positions)
             if correct:
                 head_sum += copies
-            details.append({"task": getattr(ex, "task", "niah"), "length": int(len(ex.prompt_ids)),
-                            "depth": getattr(ex, "depth", None), "answer": ex.answer_text,
-                            "generated": tokenizer.decode(gen), "correct": bool(correct)})
+            details.append(
+                {
+                    "task": getattr(ex, "task", "niah"),
+                    "length": int(len(ex.prompt_ids)),
+                    "depth": getattr(ex, "depth", None),
+                    "answer": ex.answer_text,
+                    "generated": tokenizer.decode(gen),
+                    "correct": bool(correct),
+                }
+            )
     n_correct = sum(d["correct"] for d in details)
     head_scores = head_sum / max(n_correct, 1)
-    return {"head_scores": head_scores,
-            "group_scores": aggregate_groups(head_scores, teacher.num_kv_heads, group_aggregate),
-            "num_prompts": len(examples), "num_correct": int(n_correct), "prompts": details}
+    return {
+        "head_scores": head_scores,
+        "group_scores": aggregate_groups(head_scores, teacher.num_kv_heads, group_aggregate),
+        "num_prompts": len(examples),
+        "num_correct": int(n_correct),
+        "prompts": details,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Causal ablation.
+
 
 def head_means(heads: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Mean per-head output over the batch's real positions: heads [L,B,T,Hq,D] → [L,Hq,D]."""
@@ -419,8 +460,9 @@ def head_means(heads: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 ABLATION_SCOPES = ("all", "answer")
 
 
-def ablation_scores(teacher: FunctionalTeacher, batch: ProbeBatch, *, mode: str = "mean",
-                    scope: str = "all") -> dict[str, np.ndarray]:
+def ablation_scores(
+    teacher: FunctionalTeacher, batch: ProbeBatch, *, mode: str = "mean", scope: str = "all"
+) -> dict[str, np.ndarray]:
     """Drop in the answer log-probability when each KV group is ablated alone, on one prompt batch.
 
     scope="all" ablates the group at every position (the faithful intervention; ≈ Hkv·L/2 clean forwards).
@@ -437,22 +479,43 @@ def ablation_scores(teacher: FunctionalTeacher, batch: ProbeBatch, *, mode: str 
     clean = run_forward(teacher, batch, collect=True)
     mask = batch.row_mask
     clean_logp = (clean["logp"] * mask).sum(-1)
-    fills = head_means(clean["heads"], batch.lengths) if mode == "mean" else np.zeros(
-        (teacher.num_layers, teacher.num_heads, teacher.head_dim), np.float32)
+    fills = (
+        head_means(clean["heads"], batch.lengths)
+        if mode == "mean"
+        else np.zeros((teacher.num_layers, teacher.num_heads, teacher.head_dim), np.float32)
+    )
     drops = np.zeros((teacher.num_layers, teacher.num_kv_heads, len(batch.ids)))
     rows, targets = jnp.asarray(batch.rows), jnp.asarray(batch.targets)
-    take_rows = lambda x: np.take_along_axis(x, batch.rows.reshape(batch.rows.shape + (1,) * (x.ndim - 2)),
-                                             axis=1)  # noqa: E731  [B,T,...] → [B,N,...]
+    take_rows = lambda x: np.take_along_axis(x, batch.rows.reshape(batch.rows.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731  [B,T,...] → [B,N,...]
     keys, values = jnp.asarray(clean["k"]), jnp.asarray(clean["v"])
     for layer in range(teacher.num_layers):
         h_in, heads, fill = clean["h_in"][layer], clean["heads"][layer], jnp.asarray(fills[layer])
         if scope == "all":
-            logp = _ablate_layer(teacher.spec, teacher.layers, teacher.ends, jnp.int32(layer), jnp.asarray(h_in),
-                                 jnp.asarray(heads), fill, rows, targets)
+            logp = _ablate_layer(
+                teacher.spec,
+                teacher.layers,
+                teacher.ends,
+                jnp.int32(layer),
+                jnp.asarray(h_in),
+                jnp.asarray(heads),
+                fill,
+                rows,
+                targets,
+            )
         else:
-            logp = _ablate_layer_rows(teacher.spec, teacher.layers, teacher.ends, jnp.int32(layer),
-                                      jnp.asarray(take_rows(h_in)), jnp.asarray(take_rows(heads)), fill, keys,
-                                      values, rows, targets)
+            logp = _ablate_layer_rows(
+                teacher.spec,
+                teacher.layers,
+                teacher.ends,
+                jnp.int32(layer),
+                jnp.asarray(take_rows(h_in)),
+                jnp.asarray(take_rows(heads)),
+                fill,
+                keys,
+                values,
+                rows,
+                targets,
+            )
         drops[layer] = clean_logp[None] - (np.asarray(logp) * mask[None]).sum(-1)
     correct = np.all((clean["pred"] == batch.targets) | ~mask, axis=-1)
     return {"drop": drops, "logp": clean_logp, "clean_correct": correct}
@@ -464,5 +527,5 @@ def group_ablation_masks(groups_per_layer: Sequence[Sequence[int]], num_heads: i
     keep = np.ones((len(groups_per_layer), num_heads), np.float32)
     for l, groups in enumerate(groups_per_layer):
         for g in groups:
-            keep[l, g * gs:(g + 1) * gs] = 0.0
+            keep[l, g * gs : (g + 1) * gs] = 0.0
     return keep

@@ -11,13 +11,15 @@ Methods (scores are [layers × KV groups], higher = keep as full attention):
 Allocation: ``per_layer`` keeps the same number of FA groups k = f·G in every layer (f·G must be a whole number);
 ``global`` keeps the top round(f·L·G) groups of the whole model (at least one).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,7 @@ class SelectionError(ValueError):
 
 # ------------------------------------------------------------------------------------------------------------
 # Settings.
+
 
 @dataclasses.dataclass(frozen=True)
 class SelectionConfig:
@@ -60,15 +63,21 @@ class SelectionConfig:
     haystack: str = "enwiki"  # corpus source for haystacks (hydrahead_jax.data.corpus.resolve_source)
 
     @classmethod
-    def paper(cls, **overrides) -> "SelectionConfig":
+    def paper(cls, **overrides) -> SelectionConfig:
         """More, longer probes and the faithful all-position ablation (hours on a CPU; minutes on an accelerator)."""
-        base = dict(niah_prompts=40, niah_lengths=(1024, 2048, 4096), niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-                    niah_needle_types=("number", "word", "uuid"), ablation_prompts=32, ablation_length=512,
-                    ablation_scope="all")
+        base = dict(
+            niah_prompts=40,
+            niah_lengths=(1024, 2048, 4096),
+            niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+            niah_needle_types=("number", "word", "uuid"),
+            ablation_prompts=32,
+            ablation_length=512,
+            ablation_scope="all",
+        )
         return cls(**{**base, **overrides})
 
     @classmethod
-    def from_any(cls, cfg: Any) -> "SelectionConfig":
+    def from_any(cls, cfg: Any) -> SelectionConfig:
         """From a SelectionConfig, a dict or an ml_collections ConfigDict (``preset: "paper"`` picks the preset)."""
         if isinstance(cfg, cls):
             return cfg
@@ -98,8 +107,12 @@ def validate_config(sel: SelectionConfig, model_cfg) -> None:
     if sel.allocation not in ALLOCATIONS:
         raise SelectionError(f"allocation {sel.allocation!r} is unknown; choose one of {ALLOCATIONS}.")
     fa_count(sel.ratio, sel.allocation, model_cfg.num_layers, model_cfg.num_kv_heads)
-    choices = {"group_aggregate": ("mean", "max"), "decode": ("greedy", "teacher_forced"),
-               "ablation_mode": ("mean", "zero"), "ablation_scope": ("answer", "all")}
+    choices = {
+        "group_aggregate": ("mean", "max"),
+        "decode": ("greedy", "teacher_forced"),
+        "ablation_mode": ("mean", "zero"),
+        "ablation_scope": ("answer", "all"),
+    }
     for name, allowed in choices.items():
         if getattr(sel, name) not in allowed:
             raise SelectionError(f"{name}={getattr(sel, name)!r}; choose one of {allowed}.")
@@ -108,20 +121,24 @@ def validate_config(sel: SelectionConfig, model_cfg) -> None:
     limit = model_cfg.max_position_embeddings
     longest = max(sel.niah_lengths + (sel.ablation_length,)) + sel.max_extra_tokens + 64
     if longest > limit:
-        raise SelectionError(f"probe prompts of up to {longest} tokens (longest probe length plus the answer) "
-                             f"exceed the model's context of {limit} tokens (max_position_embeddings); "
-                             "shorten niah_lengths / ablation_length.")
+        raise SelectionError(
+            f"probe prompts of up to {longest} tokens (longest probe length plus the answer) "
+            f"exceed the model's context of {limit} tokens (max_position_embeddings); "
+            "shorten niah_lengths / ablation_length."
+        )
     if min(sel.niah_lengths + (sel.ablation_length,)) < 64:
         raise SelectionError("probe lengths must be at least 64 tokens (room for the instructions and a needle).")
     if sel.method in ("retrieval", "combined") and sel.niah_prompts < 1:
         raise SelectionError("niah_prompts must be >= 1 for the retrieval score.")
-    if sel.method in ("ablation", "combined") and (sel.ablation_prompts < len(sel.ablation_tasks)
-                                                   or not sel.ablation_tasks):
+    if sel.method in ("ablation", "combined") and (
+        sel.ablation_prompts < len(sel.ablation_tasks) or not sel.ablation_tasks
+    ):
         raise SelectionError("ablation_prompts must be >= the number of ablation_tasks (one prompt per task).")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Selection.
+
 
 def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> int:
     """FA groups per layer (per_layer) or in the model (global) for a ratio; errors when it cannot be met."""
@@ -130,8 +147,10 @@ def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: i
     except HeadMapError as e:
         raise SelectionError(str(e)) from None
     if f <= 0:
-        raise SelectionError(f"ratio {ratio!r} keeps no FA group; head selection needs at least one "
-                             "(an all-linear model is HeadMap.all_la).")
+        raise SelectionError(
+            f"ratio {ratio!r} keeps no FA group; head selection needs at least one "
+            "(an all-linear model is HeadMap.all_la)."
+        )
     if allocation == "per_layer":
         k = f * num_groups
         if abs(k - round(k)) > 1e-6 or round(k) < 1:
@@ -139,7 +158,8 @@ def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: i
             raise SelectionError(
                 f"ratio {ratio!r} (FA fraction {f:.4g}) needs {k:.3g} FA groups per layer, but each layer has "
                 f"{num_groups} KV groups; per_layer allocation can only meet LA:FA ratios {achievable}. "
-                f"Use allocation='global' (top-k over all {num_layers * num_groups} groups) instead.")
+                f"Use allocation='global' (top-k over all {num_layers * num_groups} groups) instead."
+            )
         return int(round(k))
     if allocation == "global":
         return max(1, int(math.floor(f * num_layers * num_groups + 0.5)))
@@ -166,9 +186,17 @@ def _top(scores: np.ndarray, k: int) -> list[tuple[int, int]]:
     return [(int(i) // cols, int(i) % cols) for i in order]
 
 
-def select_fa_groups(scores: np.ndarray | None, *, ratio: str | float, allocation: str = "global",
-                     method: str = "retrieval", seed: int = 0, num_layers: int | None = None,
-                     num_groups: int | None = None, layerwise_cfg=None) -> list[list[int]]:
+def select_fa_groups(
+    scores: np.ndarray | None,
+    *,
+    ratio: str | float,
+    allocation: str = "global",
+    method: str = "retrieval",
+    seed: int = 0,
+    num_layers: int | None = None,
+    num_groups: int | None = None,
+    layerwise_cfg=None,
+) -> list[list[int]]:
     """FA KV groups per layer from a [L, G] score matrix (higher = keep FA).
 
     For method "random" the scores may be None (give num_layers and num_groups); "layerwise" needs the model
@@ -196,7 +224,7 @@ def select_fa_groups(scores: np.ndarray | None, *, ratio: str | float, allocatio
     chosen: list[list[int]] = [[] for _ in range(num_layers)]
     if allocation == "per_layer":
         for layer in range(num_layers):
-            chosen[layer] = sorted(g for _, g in _top(scores[layer:layer + 1], k))
+            chosen[layer] = sorted(g for _, g in _top(scores[layer : layer + 1], k))
     else:
         for layer, g in _top(scores, k):
             chosen[layer].append(g)
@@ -212,10 +240,12 @@ def combine_scores(retrieval: np.ndarray, ablation: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------------------
 # Probe prompts.
 
+
 def make_haystack(tokenizer, source: str = "enwiki"):
     """A Haystack of real text: the default Wikipedia corpus, or any source hydrahead_jax.data accepts."""
     from hydrahead_jax.data.corpus import load_enwiki_documents, resolve_source
     from hydrahead_jax.data.synthetic import Haystack
+
     docs = load_enwiki_documents() if source == "enwiki" else resolve_source(source).read_documents()
     return Haystack(docs, tokenizer)
 
@@ -223,30 +253,50 @@ def make_haystack(tokenizer, source: str = "enwiki"):
 def niah_examples(tokenizer, haystack, sel: SelectionConfig) -> list:
     """sel.niah_prompts NIAH prompts cycling over lengths, depths and needle types, seeded from sel.seed."""
     from hydrahead_jax.data.synthetic import niah
+
     # Cycle each setting independently, so a handful of prompts already mixes lengths, depths and needle types.
-    picks = [(sel.niah_lengths[i % len(sel.niah_lengths)], sel.niah_depths[i % len(sel.niah_depths)],
-              sel.niah_needle_types[i % len(sel.niah_needle_types)]) for i in range(sel.niah_prompts)]
-    return [niah(tokenizer, haystack, length=n, depth=d, needle_type=t, seed=sel.seed * 100_003 + i)
-            for i, (n, d, t) in enumerate(picks)]
+    picks = [
+        (
+            sel.niah_lengths[i % len(sel.niah_lengths)],
+            sel.niah_depths[i % len(sel.niah_depths)],
+            sel.niah_needle_types[i % len(sel.niah_needle_types)],
+        )
+        for i in range(sel.niah_prompts)
+    ]
+    return [
+        niah(tokenizer, haystack, length=n, depth=d, needle_type=t, seed=sel.seed * 100_003 + i)
+        for i, (n, d, t) in enumerate(picks)
+    ]
 
 
-def ablation_examples(tokenizer, haystack, sel: SelectionConfig, *, count: int | None = None,
-                      seed_offset: int = 0) -> list:
+def ablation_examples(
+    tokenizer, haystack, sel: SelectionConfig, *, count: int | None = None, seed_offset: int = 0
+) -> list:
     """Passkey / key-value prompts (evenly split over sel.ablation_tasks) at sel.ablation_length."""
     from hydrahead_jax.data.synthetic import generate
+
     count = sel.ablation_prompts if count is None else count
     tasks = sel.ablation_tasks
-    return [generate(tasks[i % len(tasks)], tokenizer, haystack, length=sel.ablation_length,
-                     seed=sel.seed * 100_003 + 50_000 + seed_offset + i, depth=(i // len(tasks) + 0.5) /
-                     max(1, -(-count // len(tasks))))
-            for i in range(count)]
+    return [
+        generate(
+            tasks[i % len(tasks)],
+            tokenizer,
+            haystack,
+            length=sel.ablation_length,
+            seed=sel.seed * 100_003 + 50_000 + seed_offset + i,
+            depth=(i // len(tasks) + 0.5) / max(1, -(-count // len(tasks))),
+        )
+        for i in range(count)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------------
 # The stage.
 
-def run_selection(model, tokenizer, cfg: Any = None, out_dir: str | os.PathLike | None = None, *,
-                  haystack=None, log=print) -> HeadMap:
+
+def run_selection(
+    model, tokenizer, cfg: Any = None, out_dir: str | os.PathLike | None = None, *, haystack=None, log=print
+) -> HeadMap:
     """Probe ``model``, choose FA groups, write ``out_dir/head_map.json`` and ``out_dir/head_scores.png``.
 
     cfg: SelectionConfig, a dict or an ml_collections ConfigDict of its fields. Deterministic for a seed (the
@@ -268,54 +318,93 @@ def run_selection(model, tokenizer, cfg: Any = None, out_dir: str | os.PathLike 
         teacher = probes.functional_teacher(model)
     if needs_retrieval:
         examples = niah_examples(tokenizer, haystack, sel)
-        r = probes.retrieval_scores(model, tokenizer, examples, decode=sel.decode,
-                                    max_extra_tokens=sel.max_extra_tokens, batch_size=sel.batch_size,
-                                    group_aggregate=sel.group_aggregate, teacher=teacher)
+        r = probes.retrieval_scores(
+            model,
+            tokenizer,
+            examples,
+            decode=sel.decode,
+            max_extra_tokens=sel.max_extra_tokens,
+            batch_size=sel.batch_size,
+            group_aggregate=sel.group_aggregate,
+            teacher=teacher,
+        )
         scores["retrieval"], head_scores["retrieval"] = r["group_scores"], r["head_scores"]
-        probe_info["retrieval"] = {"num_prompts": r["num_prompts"], "num_correct": r["num_correct"],
-                                   "prompts": r["prompts"]}
-        log(f"[select] retrieval probe: {r['num_correct']}/{r['num_prompts']} NIAH prompts answered correctly "
-            f"({time.time() - started:.0f}s)")
+        probe_info["retrieval"] = {
+            "num_prompts": r["num_prompts"],
+            "num_correct": r["num_correct"],
+            "prompts": r["prompts"],
+        }
+        log(
+            f"[select] retrieval probe: {r['num_correct']}/{r['num_prompts']} NIAH prompts answered correctly "
+            f"({time.time() - started:.0f}s)"
+        )
         if r["num_correct"] == 0:
-            log("[select] WARNING: the teacher answered no NIAH prompt, so every retrieval score is 0; "
-                "use shorter niah_lengths or the ablation method.")
+            log(
+                "[select] WARNING: the teacher answered no NIAH prompt, so every retrieval score is 0; "
+                "use shorter niah_lengths or the ablation method."
+            )
     if needs_ablation:
         examples = ablation_examples(tokenizer, haystack, sel)
         drops, correct = [], []
         for start in range(0, len(examples), sel.batch_size):
-            chunk = examples[start:start + sel.batch_size]
+            chunk = examples[start : start + sel.batch_size]
             batch = probes.make_batch([e.prompt_ids for e in chunk], [e.answer_ids for e in chunk])
             a = probes.ablation_scores(teacher, batch, mode=sel.ablation_mode, scope=sel.ablation_scope)
             drops.append(a["drop"])
             correct.extend(a["clean_correct"].tolist())
         drop = np.concatenate(drops, axis=-1)  # [L, G, prompts]
         scores["ablation"] = drop.mean(-1)
-        probe_info["ablation"] = {"num_prompts": len(examples), "clean_correct": int(sum(correct)),
-                                  "tasks": [e.task for e in examples]}
-        log(f"[select] ablation probe on {len(examples)} prompts (teacher exact on {sum(correct)}) "
-            f"({time.time() - started:.0f}s)")
+        probe_info["ablation"] = {
+            "num_prompts": len(examples),
+            "clean_correct": int(sum(correct)),
+            "tasks": [e.task for e in examples],
+        }
+        log(
+            f"[select] ablation probe on {len(examples)} prompts (teacher exact on {sum(correct)}) "
+            f"({time.time() - started:.0f}s)"
+        )
     if sel.method == "combined":
         scores["combined"] = combine_scores(scores["retrieval"], scores["ablation"])
-    fa_groups = select_fa_groups(scores.get(sel.method), ratio=sel.ratio, allocation=sel.allocation,
-                                 method=sel.method, seed=sel.seed, num_layers=model_cfg.num_layers,
-                                 num_groups=model_cfg.num_kv_heads, layerwise_cfg=model_cfg)
+    fa_groups = select_fa_groups(
+        scores.get(sel.method),
+        ratio=sel.ratio,
+        allocation=sel.allocation,
+        method=sel.method,
+        seed=sel.seed,
+        num_layers=model_cfg.num_layers,
+        num_groups=model_cfg.num_kv_heads,
+        layerwise_cfg=model_cfg,
+    )
     probe_info["seconds"] = round(time.time() - started, 1)
     if "retrieval" in head_scores:
         probe_info["retrieval_head_scores"] = np.round(head_scores["retrieval"], 6).tolist()
     allocation = sel.allocation if sel.method != "layerwise" else "global"
-    head_map = HeadMap.from_fa_groups(model_cfg, fa_groups, method=sel.method, target_ratio=sel.ratio,
-                                      allocation=allocation, probe=probe_info,
-                                      scores={k: np.round(v, 6).tolist() for k, v in scores.items()})
+    head_map = HeadMap.from_fa_groups(
+        model_cfg,
+        fa_groups,
+        method=sel.method,
+        target_ratio=sel.ratio,
+        allocation=allocation,
+        probe=probe_info,
+        scores={k: np.round(v, 6).tolist() for k, v in scores.items()},
+    )
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         head_map.save(os.path.join(out_dir, "head_map.json"))
         if scores:
             from hydrahead_jax.selection.plot import plot_scores
-            plot_scores(scores, fa_groups, os.path.join(out_dir, "head_scores.png"),
-                        head_scores=head_scores.get("retrieval"), title=f"{model_cfg.name}: {sel.method}, "
-                        f"{sel.ratio} {allocation}")
-        log(f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}; "
-            f"wrote {os.path.join(out_dir, 'head_map.json')}")
+
+            plot_scores(
+                scores,
+                fa_groups,
+                os.path.join(out_dir, "head_scores.png"),
+                head_scores=head_scores.get("retrieval"),
+                title=f"{model_cfg.name}: {sel.method}, {sel.ratio} {allocation}",
+            )
+        log(
+            f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}; "
+            f"wrote {os.path.join(out_dir, 'head_map.json')}"
+        )
     return head_map
 
 

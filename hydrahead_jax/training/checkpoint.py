@@ -12,6 +12,7 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 (SIGKILL included) leaves either the whole step or none of it. A step that still does not restore (a disk
 error, a corrupted file) is reported, moved to ``corrupt/`` and the previous step is tried.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,13 +72,17 @@ def check_workdir_config(workdir: Path, config: dict[str, Any], *, force_new: bo
                 raise ConfigMismatchError(
                     f"workdir {workdir} holds a run of another config ({len(diff)} field(s) differ: {shown}). "
                     "Fix: use another --workdir, restore the old settings to resume, or pass --force_new to move "
-                    "the old run aside and start over.")
+                    "the old run aside and start over."
+                )
             aside = workdir.parent / f"{workdir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             log.warning("--force_new: moving the previous run in %s to %s", workdir, aside)
             shutil.move(str(workdir), str(aside))
     workdir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config_hash": digest, "config_core": core, "config": config}, indent=2,
-                               sort_keys=True, default=str))
+    path.write_text(
+        json.dumps(
+            {"config_hash": digest, "config_core": core, "config": config}, indent=2, sort_keys=True, default=str
+        )
+    )
 
 
 class StageCheckpointer:
@@ -87,13 +92,18 @@ class StageCheckpointer:
         self.directory = Path(directory).absolute()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._options = ocp.CheckpointManagerOptions(
-            save_interval_steps=max(1, int(save_every)), max_to_keep=max(1, int(keep)), create=True,
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+            save_interval_steps=max(1, int(save_every)),
+            max_to_keep=max(1, int(keep)),
+            create=True,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
         self._open()
 
     def _open(self):
-        self.manager = ocp.CheckpointManager(self.directory, options=self._options,
-                                             item_names=("model", "opt", "data", "meta"))
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=self._options, item_names=("model", "opt", "data", "meta")
+        )
 
     # ---------------------------------------------------------------------------------------------- state
     @property
@@ -118,7 +128,8 @@ class StageCheckpointer:
             model=ocp.args.StandardSave(model_state),
             opt=ocp.args.StandardSave(opt_state),
             data=grain.checkpoint.CheckpointSave(iterator),
-            meta=ocp.args.JsonSave(dict(meta, step=int(step))))
+            meta=ocp.args.JsonSave(dict(meta, step=int(step))),
+        )
         return self.manager.save(int(step), args=args, force=force)
 
     def wait(self) -> None:
@@ -131,11 +142,20 @@ class StageCheckpointer:
     # ---------------------------------------------------------------------------------------------- restore
     def _quarantine(self, step: int, error: BaseException) -> None:
         target = self.directory / "corrupt" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        log.error("checkpoint step %d in %s does not restore (%s: %s); moved to %s, falling back to the "
-                  "previous step", step, self.directory, type(error).__name__, str(error)[:300], target)
-        print(f"WARNING: checkpoint step {step} in {self.directory} does not restore "
-              f"({type(error).__name__}: {str(error)[:200]}); moved to {target}; falling back to the previous "
-              "good step.", flush=True)
+        log.error(
+            "checkpoint step %d in %s does not restore (%s: %s); moved to %s, falling back to the previous step",
+            step,
+            self.directory,
+            type(error).__name__,
+            str(error)[:300],
+            target,
+        )
+        print(
+            f"WARNING: checkpoint step {step} in {self.directory} does not restore "
+            f"({type(error).__name__}: {str(error)[:200]}); moved to {target}; falling back to the previous "
+            "good step.",
+            flush=True,
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         self.manager.close()
         shutil.move(str(self.directory / str(step)), str(target))
@@ -147,11 +167,15 @@ class StageCheckpointer:
         Restores the grain iterator in place. Steps that fail are quarantined (see module doc)."""
         for step in reversed(self.steps()):
             try:
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    model=ocp.args.StandardRestore(abstract_model),
-                    opt=ocp.args.StandardRestore(abstract_opt),
-                    data=grain.checkpoint.CheckpointRestore(iterator),
-                    meta=ocp.args.JsonRestore()))
+                out = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        model=ocp.args.StandardRestore(abstract_model),
+                        opt=ocp.args.StandardRestore(abstract_opt),
+                        data=grain.checkpoint.CheckpointRestore(iterator),
+                        meta=ocp.args.JsonRestore(),
+                    ),
+                )
             except Exception as error:  # noqa: BLE001 — any failure means "this step is unusable"
                 self._quarantine(step, error)
                 continue

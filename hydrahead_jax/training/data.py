@@ -4,6 +4,7 @@ Both are grain ``DatasetIterator``s, so their position is saved in every checkpo
 exactly the batches an uninterrupted one would. Batches: input_ids/targets [B,T] int32, loss_mask [B,T]
 float32, segment_ids/positions [B,T] int32 (B = this process's share of the global batch).
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,8 +38,17 @@ class CopyRows(grain.MapDataset):
         return pack_row(row, np.zeros(self._t + 1, np.int64))
 
 
-def make_stage_iterator(data_cfg, *, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                        synthetic_rate: float = 0.0, tokenizer=None, store_path=None) -> grain.DatasetIterator:
+def make_stage_iterator(
+    data_cfg,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    vocab_size: int,
+    synthetic_rate: float = 0.0,
+    tokenizer=None,
+    store_path=None,
+) -> grain.DatasetIterator:
     """Iterator of this process's share of global batches of ``batch_size`` rows for one stage."""
     if data_cfg.source == "copy":
         shard_index, shard_count = resolve_shard(None, None)
@@ -49,17 +59,32 @@ def make_stage_iterator(data_cfg, *, seq_len: int, batch_size: int, seed: int, v
         return rows.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)).__iter__()
     if store_path is None:
         raise ValueError("the corpus source needs a prepared token store (store_path).")
-    return make_train_iterator(store_path, seq_len=seq_len, batch_size=batch_size, seed=seed, split="train",
-                               synthetic_rate=synthetic_rate, tokenizer=tokenizer if synthetic_rate > 0 else None,
-                               num_threads=int(data_cfg.get("num_threads", 2)),
-                               prefetch_buffer_size=int(data_cfg.get("prefetch", 8)))
+    return make_train_iterator(
+        store_path,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        split="train",
+        synthetic_rate=synthetic_rate,
+        tokenizer=tokenizer if synthetic_rate > 0 else None,
+        num_threads=int(data_cfg.get("num_threads", 2)),
+        prefetch_buffer_size=int(data_cfg.get("prefetch", 8)),
+    )
 
 
 def prepare_store(data_cfg, tokenizer):
     """Token store path of the configured corpus (tokenised once, reused afterwards)."""
     from hydrahead_jax.data.corpus import prepare_corpus  # local: the copy source needs no corpus code
+
     if tokenizer is None:
-        raise ValueError(f"data.source={data_cfg.source!r} needs a tokenizer; the teacher "
-                         f"{'has none' if tokenizer is None else ''} — use data.source='copy' for a random teacher.")
-    return prepare_corpus(tokenizer, data_cfg.source, validation_fraction=float(data_cfg.validation_fraction),
-                          txt_split=data_cfg.get("txt_split", "file"), text_field=data_cfg.get("text_field", "text"))
+        raise ValueError(
+            f"data.source={data_cfg.source!r} needs a tokenizer; the teacher "
+            f"{'has none' if tokenizer is None else ''} — use data.source='copy' for a random teacher."
+        )
+    return prepare_corpus(
+        tokenizer,
+        data_cfg.source,
+        validation_fraction=float(data_cfg.validation_fraction),
+        txt_split=data_cfg.get("txt_split", "file"),
+        text_field=data_cfg.get("text_field", "text"),
+    )

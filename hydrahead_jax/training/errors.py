@@ -1,10 +1,11 @@
 """Errors that are the user's to fix: train.py prints their message (no traceback) and exits with status 2."""
+
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.data.corpus import CorpusError
 from hydrahead_jax.hybrid.head_map import HeadMapError
+from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.training.checkpoint import ConfigMismatchError
 from hydrahead_jax.training.metrics import NonFiniteLossError
-from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.training.sharding import ShardingError
 
 
@@ -12,5 +13,13 @@ class StageOrderError(RuntimeError):
     """A stage was asked for before the stage it starts from has finished."""
 
 
-USER_ERRORS = (ConfigError, CorpusError, HeadMapError, ConfigMismatchError, NonFiniteLossError, ShardingError,
-               SelectionError, StageOrderError)
+USER_ERRORS = (
+    ConfigError,
+    CorpusError,
+    HeadMapError,
+    ConfigMismatchError,
+    NonFiniteLossError,
+    ShardingError,
+    SelectionError,
+    StageOrderError,
+)

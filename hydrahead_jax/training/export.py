@@ -9,6 +9,7 @@
 
 The folder is written under a temporary name and renamed into place, so it is complete or absent.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model
 
 
-def export_final(out: str | Path, graphdef, full_state, cfg: ModelConfig, head_map: HeadMap,
-                 hybrid_cfg: HybridConfig, *, teacher_source: str | None, resolved_config: dict | None = None) -> Path:
+def export_final(
+    out: str | Path,
+    graphdef,
+    full_state,
+    cfg: ModelConfig,
+    head_map: HeadMap,
+    hybrid_cfg: HybridConfig,
+    *,
+    teacher_source: str | None,
+    resolved_config: dict | None = None,
+) -> Path:
     out = Path(out).absolute()
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -55,8 +65,10 @@ def load_hydrahead(path: str | Path, *, device=None):
     needed = ("params", "head_map.json", "model_config.json", "hybrid_config.json")
     missing = [n for n in needed if not (path / n).exists()]
     if missing:
-        raise FileNotFoundError(f"{path} is not an exported HydraHead model (missing {missing}); export one with "
-                                "train.py (it writes WORKDIR/final when stage 3 finishes).")
+        raise FileNotFoundError(
+            f"{path} is not an exported HydraHead model (missing {missing}); export one with "
+            "train.py (it writes WORKDIR/final when stage 3 finishes)."
+        )
     cfg = ModelConfig.from_dict(json.loads((path / "model_config.json").read_text()))
     hybrid_cfg = HybridConfig.from_dict(json.loads((path / "hybrid_config.json").read_text()))
     head_map = HeadMap.load(path / "head_map.json", cfg)
@@ -71,7 +83,8 @@ def load_hydrahead(path: str | Path, *, device=None):
     tok_path = path / "tokenizer.json"
     source = json.loads(tok_path.read_text()).get("source") if tok_path.exists() else None
     if source:
-        from hydrahead_jax.models.tokenizer import load_tokenizer
         from hydrahead_jax.models.loaders import resolve_source
+        from hydrahead_jax.models.tokenizer import load_tokenizer
+
         tokenizer = load_tokenizer(resolve_source(source))
     return model, tokenizer

@@ -19,9 +19,10 @@ Logits are never materialised for the whole sequence: the final hidden states [B
 chunks of C and a ``lax.scan`` computes each chunk's [B,C,V] logits with ``logits_from_hidden``. The chunk body
 is rematerialised (``jax.checkpoint``), so the backward pass also holds only one chunk of logits at a time.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,9 @@ def masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def align_loss(student_attention_fns, teacher_inputs, teacher_outputs, positions: jax.Array,
-               mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def align_loss(
+    student_attention_fns, teacher_inputs, teacher_outputs, positions: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Σ_l masked-mean MSE of student attention l on the teacher's input l against the teacher's output l.
 
     ``student_attention_fns[l](x, positions) -> (out, cache)`` is the student's attention block of layer l;
@@ -74,9 +76,16 @@ def _scan_token_chunks(body, xs, chunk_totals_init):
     return total
 
 
-def chunked_kl(student_hidden: jax.Array, teacher_hidden: jax.Array, student_logits: LogitsFn,
-               teacher_logits: LogitsFn, mask: jax.Array, *, chunk: int = 512,
-               temperature: float = 1.0) -> jax.Array:
+def chunked_kl(
+    student_hidden: jax.Array,
+    teacher_hidden: jax.Array,
+    student_logits: LogitsFn,
+    teacher_logits: LogitsFn,
+    mask: jax.Array,
+    *,
+    chunk: int = 512,
+    temperature: float = 1.0,
+) -> jax.Array:
     """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in token chunks of ``chunk``."""
     hs, _ = _chunked(student_hidden, chunk)
     ht, _ = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk)
@@ -85,17 +94,19 @@ def chunked_kl(student_hidden: jax.Array, teacher_hidden: jax.Array, student_log
     def body(x):
         h_s, h_t, m = x
         log_q = jax.nn.log_softmax(student_logits(h_s).astype(jnp.float32) / temperature, axis=-1)
-        log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits(h_t)).astype(jnp.float32) / temperature,
-                                   axis=-1)
+        log_p = jax.nn.log_softmax(
+            jax.lax.stop_gradient(teacher_logits(h_t)).astype(jnp.float32) / temperature, axis=-1
+        )
         kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B,C]
         return jnp.sum(kl * m)
 
     total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32))
-    return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature ** 2
+    return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature**2
 
 
-def chunked_cross_entropy(hidden: jax.Array, logits_fn: LogitsFn, targets: jax.Array, mask: jax.Array, *,
-                          chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+def chunked_cross_entropy(
+    hidden: jax.Array, logits_fn: LogitsFn, targets: jax.Array, mask: jax.Array, *, chunk: int = 512
+) -> tuple[jax.Array, jax.Array]:
     """(masked mean next-token CE, masked token accuracy), in token chunks of ``chunk``."""
     hs, _ = _chunked(hidden, chunk)
     ys, _ = _chunked(targets.astype(jnp.int32), chunk)

@@ -1,4 +1,5 @@
 """Progress bar (tokens/s, ETA), metrics.jsonl and TensorBoard event files for one stage."""
+
 from __future__ import annotations
 
 import json
@@ -17,24 +18,46 @@ class NonFiniteLossError(RuntimeError):
 class StageLogger:
     """Writes one JSON line per step to ``workdir/metrics.jsonl`` and scalars to ``workdir/tensorboard``."""
 
-    def __init__(self, workdir: Path, stage: str, *, total_steps: int, start_step: int, tokens_per_step: int,
-                 tensorboard: bool = True, progress: bool = True):
+    def __init__(
+        self,
+        workdir: Path,
+        stage: str,
+        *,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        tensorboard: bool = True,
+        progress: bool = True,
+    ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
         self._jsonl = open(Path(workdir) / "metrics.jsonl", "a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: optional dependency at import time
+
             self._tb = SummaryWriter(str(Path(workdir) / "tensorboard" / stage), flush_secs=10)
-        self._bar = tqdm(total=total_steps, initial=start_step, desc=stage, unit="step", disable=not progress,
-                         dynamic_ncols=True, smoothing=0.1)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc=stage,
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
         self._last = time.perf_counter()
 
     def log(self, step: int, metrics: dict[str, float], *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         now = time.perf_counter()
         dt = now - self._last
         self._last = now
-        record = {"stage": self.stage, "step": int(step), "tokens_seen": int(step) * self.tokens_per_step,
-                  "step_time_s": round(dt, 4), "tokens_per_s": round(self.tokens_per_step / max(dt, 1e-9), 1)}
+        record = {
+            "stage": self.stage,
+            "step": int(step),
+            "tokens_seen": int(step) * self.tokens_per_step,
+            "step_time_s": round(dt, 4),
+            "tokens_per_s": round(self.tokens_per_step / max(dt, 1e-9), 1),
+        }
         record.update({k: float(v) for k, v in metrics.items()})
         record.update(extra or {})
         self._jsonl.write(json.dumps(record) + "\n")
@@ -56,9 +79,13 @@ class StageLogger:
 def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: Path):
     bad = {k: v for k, v in metrics.items() if k in ("loss", "grad_norm") and not math.isfinite(v)}
     if bad:
-        keep = (f"the last good checkpoint (step {last_good_step}) in {ckpt_dir} is kept"
-                if last_good_step is not None else f"no checkpoint of this stage was written yet in {ckpt_dir}")
+        keep = (
+            f"the last good checkpoint (step {last_good_step}) in {ckpt_dir} is kept"
+            if last_good_step is not None
+            else f"no checkpoint of this stage was written yet in {ckpt_dir}"
+        )
         raise NonFiniteLossError(
             f"stage {stage}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}; stopping "
             f"the stage ({keep}). Fix: lower the learning rate (config.{stage}.lr), add warmup or clipping, and "
-            "rerun to resume from that checkpoint.")
+            "rerun to resume from that checkpoint."
+        )

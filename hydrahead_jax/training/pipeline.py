@@ -3,6 +3,7 @@
 ``run_pipeline(config, workdir)`` is what ``train.py`` calls. Every stage checkpoints into its own directory;
 rerunning on the same workdir skips finished stages and resumes the unfinished one exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,11 @@ def load_teacher(teacher_cfg):
     """(teacher Transformer, tokenizer or None, ModelConfig) from config.teacher."""
     if teacher_cfg.source == "random":
         from hydrahead_jax.models import Transformer
+
         cfg = ModelConfig.from_dict(dict(teacher_cfg.model))
         return Transformer(cfg, rngs=nnx.Rngs(int(teacher_cfg.seed))), None, cfg
     from hydrahead_jax.models import load_pretrained
+
     model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
     return model, tokenizer, model.cfg
 
@@ -75,23 +78,35 @@ def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -
         head_map = HeadMap.all_la(cfg)
     else:
         from hydrahead_jax.selection import METHODS, run_selection
+
         if method not in METHODS:
             raise HeadMapError(f"selection.method={method!r}; choose one of {LOCAL_METHODS + tuple(METHODS)}.")
         if tokenizer is None and method in ("retrieval", "ablation", "combined"):
-            raise HeadMapError(f"selection.method={method!r} probes the teacher with text prompts and needs a "
-                               "tokenizer; a random teacher has none — use 'layerwise', 'random' or 'given'.")
+            raise HeadMapError(
+                f"selection.method={method!r} probes the teacher with text prompts and needs a "
+                "tokenizer; a random teacher has none — use 'layerwise', 'random' or 'given'."
+            )
         settings = {k: v for k, v in sel_cfg.to_dict().items() if k != "head_map_path"}
         head_map = run_selection(teacher, tokenizer, settings, workdir / "selection")
     head_map.validate(cfg)
     head_map.save(out)
-    print(f"[select] head map ({head_map.method}): {head_map.num_fa_groups()} FA groups of "
-          f"{cfg.num_layers * cfg.num_kv_heads}, written to {out}", flush=True)
+    print(
+        f"[select] head map ({head_map.method}): {head_map.num_fa_groups()} FA groups of "
+        f"{cfg.num_layers * cfg.num_kv_heads}, written to {out}",
+        flush=True,
+    )
     return head_map
 
 
 # ------------------------------------------------------------------------------------------------ pipeline
-def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, until_stage: str | None = None,
-                 force_new: bool = False) -> Path | None:
+def run_pipeline(
+    config,
+    workdir: str | Path,
+    *,
+    only_stage: str | None = None,
+    until_stage: str | None = None,
+    force_new: bool = False,
+) -> Path | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported)."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
@@ -100,8 +115,9 @@ def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, 
     digest, _ = config_fingerprint(resolved)
     hybrid_cfg = HybridConfig.from_dict(dict(config.hybrid))
     mesh = shd.make_mesh(**dict(config.mesh))
-    print(f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)",
-          flush=True)
+    print(
+        f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True
+    )
 
     teacher, tokenizer, cfg = load_teacher(config.teacher)
     # Validate a given head map against the model before any work (clear error, nothing trained).
@@ -120,9 +136,15 @@ def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, 
     def iterator_factory(key: str, seed: int, batch_size: int | None = None):
         scfg = config[key]
         return lambda: make_stage_iterator(
-            config.data, seq_len=int(scfg.seq_len), batch_size=int(batch_size or scfg.batch_size), seed=seed,
-            vocab_size=cfg.vocab_size, synthetic_rate=float(scfg.get("synthetic_rate", 0.0)), tokenizer=tokenizer,
-            store_path=store)
+            config.data,
+            seq_len=int(scfg.seq_len),
+            batch_size=int(batch_size or scfg.batch_size),
+            seed=seed,
+            vocab_size=cfg.vocab_size,
+            synthetic_rate=float(scfg.get("synthetic_rate", 0.0)),
+            tokenizer=tokenizer,
+            store_path=store,
+        )
 
     def initial_stage1():
         calib = iterator_factory("stage1", int(config.seed) + 7919, int(config.hybrid_calibration_rows))()
@@ -143,16 +165,37 @@ def run_pipeline(config, workdir: str | Path, *, only_stage: str | None = None, 
         trainable = new_param_filter if scfg.train == "new" else nnx.Param
         if scfg.train not in ("new", "all"):
             raise ValueError(f"config.{key}.train={scfg.train!r}; choose 'new' (GDN + fusion) or 'all'.")
-        spec = StageSpec(kind=kind, config_key=key, directory=directory, stage_cfg=scfg, trainable=trainable,
-                         make_iterator=iterator_factory(key, int(config.seed) + 1000 * (index + 1)),
-                         meta={"stage": kind, "config_hash": digest, "config": resolved})
+        spec = StageSpec(
+            kind=kind,
+            config_key=key,
+            directory=directory,
+            stage_cfg=scfg,
+            trainable=trainable,
+            make_iterator=iterator_factory(key, int(config.seed) + 1000 * (index + 1)),
+            meta={"stage": kind, "config_hash": digest, "config": resolved},
+        )
         init = initial_stage1 if kind == "align" else (lambda prev=previous: prev)
-        previous = run_stage(spec, student_graphdef=student_graphdef, abstract_student=abstract_student,
-                             initial_student=init, teacher=teacher_handle, mesh=mesh, workdir=workdir,
-                             logging_cfg=config.logging)
+        previous = run_stage(
+            spec,
+            student_graphdef=student_graphdef,
+            abstract_student=abstract_student,
+            initial_student=init,
+            teacher=teacher_handle,
+            mesh=mesh,
+            workdir=workdir,
+            logging_cfg=config.logging,
+        )
     if "long" in stages:
-        final = export_final(workdir / "final", student_graphdef, previous, cfg, head_map, hybrid_cfg,
-                             teacher_source=config.teacher.source, resolved_config=resolved)
+        final = export_final(
+            workdir / "final",
+            student_graphdef,
+            previous,
+            cfg,
+            head_map,
+            hybrid_cfg,
+            teacher_source=config.teacher.source,
+            resolved_config=resolved,
+        )
         print(f"exported the HydraHead model to {final}", flush=True)
         return final
     return None
@@ -165,13 +208,17 @@ def _final_of_previous(workdir: Path, kind: str, abstract_student, mesh):
     ckpt = StageCheckpointer(workdir / STAGE_DIRS[prev], save_every=1)
     try:
         if not ckpt.done:
-            raise StageOrderError(f"stage {kind!r} starts from the final checkpoint of stage {prev!r}, which has not "
-                               f"finished in {workdir}; run it first (e.g. --until_stage {prev}).")
+            raise StageOrderError(
+                f"stage {kind!r} starts from the final checkpoint of stage {prev!r}, which has not "
+                f"finished in {workdir}; run it first (e.g. --until_stage {prev})."
+            )
         target = abstract_with_shardings(nnx.as_pure(abstract_student), shd.state_shardings(abstract_student, mesh))
         state = ckpt.restore_model(target)
         if state is None:
-            raise StageOrderError(f"the final checkpoint of stage {prev!r} in {workdir} does not restore; rerun that "
-                               f"stage (--only_stage {prev}) to resume it from its last good step.")
+            raise StageOrderError(
+                f"the final checkpoint of stage {prev!r} in {workdir} does not restore; rerun that "
+                f"stage (--only_stage {prev}) to resume it from its last good step."
+            )
         return state
     finally:
         ckpt.close()

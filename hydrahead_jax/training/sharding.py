@@ -8,6 +8,7 @@ Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameter
 style), ``tensor`` (Megatron-style model parallel over heads / MLP width / vocabulary). All axes are
 ``AxisType.Auto`` so XLA's sharding propagation chooses the collectives inside the jitted step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,12 +53,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
-            raise ShardingError(f"{len(devices)} devices cannot fill mesh {dict(zip(MESH_AXES, sizes))}: "
-                                f"{len(devices)} is not a multiple of {known}.")
+            raise ShardingError(
+                f"{len(devices)} devices cannot fill mesh {dict(zip(MESH_AXES, sizes))}: "
+                f"{len(devices)} is not a multiple of {known}."
+            )
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
-        raise ShardingError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
-                            f"{len(devices)} are available; set one axis to -1 to fill.")
+        raise ShardingError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+            f"{len(devices)} are available; set one axis to -1 to fill."
+        )
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -65,8 +70,10 @@ def mesh_axes_for(name: str | None) -> tuple[str, ...]:
     if name is None:
         return ()
     if name not in LOGICAL_AXIS_RULES:
-        raise ShardingError(f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
-                            "hydrahead_jax/training/sharding.py (map it to mesh axes or None).")
+        raise ShardingError(
+            f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
+            "hydrahead_jax/training/sharding.py (map it to mesh axes or None)."
+        )
     target = LOGICAL_AXIS_RULES[name]
     if target is None:
         return ()
@@ -101,11 +108,13 @@ def _logical_of(variable: nnx.Variable) -> tuple | None:
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """NamedSharding for every Variable of an nnx State (Variables or ShapeDtypeStructs inside), same structure
     as ``nnx.as_pure(state)``."""
+
     def one(v):
         if isinstance(v, nnx.Variable):
             value = v.get_value()
             return NamedSharding(mesh, logical_to_spec(_logical_of(v), tuple(value.shape), mesh))
         return NamedSharding(mesh, PartitionSpec())
+
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -122,9 +131,11 @@ def optimizer_shardings(tx, param_shapes, param_shardings, mesh: Mesh):
     """Shardings of ``tx.init(params)``: slots shaped like a parameter follow it (optax.tree_map_params);
     scalars (counts) are replicated."""
     import optax  # local: keeps this module importable without optax for mesh-only users
+
     opt_shapes = jax.eval_shape(tx.init, param_shapes)
-    return optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_shardings,
-                                 transform_non_params=lambda _: replicated(mesh))
+    return optax.tree_map_params(
+        tx, lambda _, s: s, opt_shapes, param_shardings, transform_non_params=lambda _: replicated(mesh)
+    )
 
 
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

@@ -5,11 +5,13 @@ Train state (a plain pytree, donated to the step):
      "opt_state": optax state of "params", "step": int32}
 The teacher is a separate pytree argument: never differentiated, never donated, held once for the whole run.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ STAGE_KINDS = ("align", "distil", "long")
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
     """Per-stage loss options (from the stage config)."""
+
     kind: str  # align | distil | long
     kl_weight: float = 0.0  # stage 3: + w · KL(teacher ‖ student)
     ce_weight: float = 1.0  # next-token CE weight (stage 3; stage 2 adds CE too when > 0)
@@ -48,8 +51,9 @@ def _positions(ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array],
-                 settings: LossSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
+def compute_loss(
+    student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array], settings: LossSettings
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scalar loss and metrics of one batch for the stage ``settings.kind``."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     positions = _positions(ids)
@@ -69,21 +73,34 @@ def compute_loss(student: nnx.Module, teacher: nnx.Module | None, batch: dict[st
     total = jnp.zeros((), jnp.float32)
     if settings.kind == "distil" or settings.kl_weight > 0:
         h_t, _ = teacher.hidden_states(ids, positions=positions)
-        kl = losses.chunked_kl(h_s, h_t, student.logits_from_hidden, teacher.logits_from_hidden, mask,
-                               chunk=settings.chunk, temperature=settings.temperature)
+        kl = losses.chunked_kl(
+            h_s,
+            h_t,
+            student.logits_from_hidden,
+            teacher.logits_from_hidden,
+            mask,
+            chunk=settings.chunk,
+            temperature=settings.temperature,
+        )
         metrics["kl"] = kl
         total = total + (1.0 if settings.kind == "distil" else settings.kl_weight) * kl
     if settings.kind == "long" or settings.ce_weight > 0:
-        ce, acc = losses.chunked_cross_entropy(h_s, student.logits_from_hidden, batch["targets"], mask,
-                                               chunk=settings.chunk)
+        ce, acc = losses.chunked_cross_entropy(
+            h_s, student.logits_from_hidden, batch["targets"], mask, chunk=settings.chunk
+        )
         metrics["ce"], metrics["accuracy"] = ce, acc
         total = total + settings.ce_weight * ce
     metrics["loss"] = total
     return total, metrics
 
 
-def make_train_step(student_graphdef, teacher_graphdef, tx: optax.GradientTransformation,
-                    settings: LossSettings, schedule: Callable[[Any], Any]):
+def make_train_step(
+    student_graphdef,
+    teacher_graphdef,
+    tx: optax.GradientTransformation,
+    settings: LossSettings,
+    schedule: Callable[[Any], Any],
+):
     """step(state, teacher_state, batch) -> (state, metrics); pure, to be wrapped in jax.jit by the caller."""
 
     def loss_fn(params, frozen, teacher_state, batch):
@@ -93,26 +110,38 @@ def make_train_step(student_graphdef, teacher_graphdef, tx: optax.GradientTransf
 
     def step(state, teacher_state, batch):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], state["frozen"], teacher_state, batch)
+            state["params"], state["frozen"], teacher_state, batch
+        )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
-        new_state = {"params": params, "frozen": state["frozen"], "opt_state": opt_state,
-                     "step": state["step"] + 1}
+        new_state = {"params": params, "frozen": state["frozen"], "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
     return step
 
 
-def make_optimizer(*, lr: float, warmup_steps: int, total_steps: int, end_lr_ratio: float = 0.1,
-                   weight_decay: float = 0.0, clip_norm: float = 1.0, b2: float = 0.95):
+def make_optimizer(
+    *,
+    lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    end_lr_ratio: float = 0.1,
+    weight_decay: float = 0.0,
+    clip_norm: float = 1.0,
+    b2: float = 0.95,
+):
     """AdamW on a warmup (linear from 0) + cosine schedule to lr·end_lr_ratio, after global-norm clipping.
 
     Returns (tx, schedule)."""
     warmup = max(0, min(int(warmup_steps), int(total_steps) - 1))
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(int(total_steps), warmup + 1),
-        end_value=lr * end_lr_ratio)
+        init_value=0.0,
+        peak_value=lr,
+        warmup_steps=warmup,
+        decay_steps=max(int(total_steps), warmup + 1),
+        end_value=lr * end_lr_ratio,
+    )
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm and clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
     return optax.chain(*parts), schedule

@@ -3,13 +3,15 @@
 State interchange between stages is the student's *full* pure state (every Variable, ``nnx.as_pure``) plus its
 graphdef; inside a stage it is split into the trained Params and the rest by the stage's filter.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class StageSpec:
     """Everything one stage needs, resolved from the config by the pipeline."""
+
     kind: str  # align | distil | long
     config_key: str  # stage1 | stage2 | stage3
     directory: Path
@@ -59,14 +62,27 @@ class TeacherHandle:
         self.shardings = shardings
 
 
-def run_stage(spec: StageSpec, *, student_graphdef, abstract_student, initial_student: Callable[[], Any],
-              teacher: TeacherHandle | None, mesh, workdir: Path, logging_cfg) -> Any:
+def run_stage(
+    spec: StageSpec,
+    *,
+    student_graphdef,
+    abstract_student,
+    initial_student: Callable[[], Any],
+    teacher: TeacherHandle | None,
+    mesh,
+    workdir: Path,
+    logging_cfg,
+) -> Any:
     """Train (or resume, or skip when finished) one stage; returns the student's final full pure state."""
     scfg = spec.stage_cfg
     full_shardings = shd.state_shardings(abstract_student, mesh)
     abs_full = abstract_with_shardings(nnx.as_pure(abstract_student), full_shardings)
-    ckpt = StageCheckpointer(spec.directory, save_every=int(scfg.checkpoint_every),
-                             keep=int(scfg.keep_checkpoints), async_save=bool(logging_cfg.get("async_save", True)))
+    ckpt = StageCheckpointer(
+        spec.directory,
+        save_every=int(scfg.checkpoint_every),
+        keep=int(scfg.keep_checkpoints),
+        async_save=bool(logging_cfg.get("async_save", True)),
+    )
     try:
         if ckpt.done:
             restored = ckpt.restore_model(abs_full)
@@ -74,8 +90,19 @@ def run_stage(spec: StageSpec, *, student_graphdef, abstract_student, initial_st
                 print(f"[{spec.directory.name}] finished earlier; using its final checkpoint.", flush=True)
                 return restored
             print(f"[{spec.directory.name}] final checkpoint unusable; resuming the stage.", flush=True)
-        return _train(spec, ckpt, student_graphdef, abstract_student, abs_full, full_shardings, initial_student,
-                      teacher, mesh, workdir, logging_cfg)
+        return _train(
+            spec,
+            ckpt,
+            student_graphdef,
+            abstract_student,
+            abs_full,
+            full_shardings,
+            initial_student,
+            teacher,
+            mesh,
+            workdir,
+            logging_cfg,
+        )
     finally:
         ckpt.close()
 
@@ -86,25 +113,47 @@ def _split(graphdef, full_state, trainable):
     return gd, params, frozen
 
 
-def _train(spec, ckpt, student_graphdef, abstract_student, abs_full, full_shardings, initial_student, teacher,
-           mesh, workdir, logging_cfg):
+def _train(
+    spec,
+    ckpt,
+    student_graphdef,
+    abstract_student,
+    abs_full,
+    full_shardings,
+    initial_student,
+    teacher,
+    mesh,
+    workdir,
+    logging_cfg,
+):
     scfg = spec.stage_cfg
     steps = total_steps(scfg)
-    settings = LossSettings(kind=spec.kind, kl_weight=float(scfg.get("kl_weight", 0.0)),
-                            ce_weight=float(scfg.get("ce_weight", 1.0 if spec.kind == "long" else 0.0)),
-                            temperature=float(scfg.get("temperature", 1.0)), chunk=int(scfg.loss_chunk),
-                            remat=bool(scfg.get("remat", False)))
+    settings = LossSettings(
+        kind=spec.kind,
+        kl_weight=float(scfg.get("kl_weight", 0.0)),
+        ce_weight=float(scfg.get("ce_weight", 1.0 if spec.kind == "long" else 0.0)),
+        temperature=float(scfg.get("temperature", 1.0)),
+        chunk=int(scfg.loss_chunk),
+        remat=bool(scfg.get("remat", False)),
+    )
     if settings.needs_teacher and teacher is None:
         raise ValueError(f"stage {spec.config_key} ({spec.kind}) needs the teacher.")
-    tx, schedule = make_optimizer(lr=float(scfg.lr), warmup_steps=int(scfg.warmup_steps), total_steps=steps,
-                                  end_lr_ratio=float(scfg.end_lr_ratio), weight_decay=float(scfg.weight_decay),
-                                  clip_norm=float(scfg.clip_norm))
+    tx, schedule = make_optimizer(
+        lr=float(scfg.lr),
+        warmup_steps=int(scfg.warmup_steps),
+        total_steps=steps,
+        end_lr_ratio=float(scfg.end_lr_ratio),
+        weight_decay=float(scfg.weight_decay),
+        clip_norm=float(scfg.clip_norm),
+    )
 
     # Structure and shardings of the trained / frozen halves and of the optimizer state.
     gd, abs_params, abs_frozen = nnx.split(nnx.merge(student_graphdef, abstract_student), spec.trainable, ...)
     if not jax.tree.leaves(abs_params):
-        raise ValueError(f"stage {spec.config_key}: the 'train' filter selects no parameters "
-                         f"(config.{spec.config_key}.train={scfg.train!r}).")
+        raise ValueError(
+            f"stage {spec.config_key}: the 'train' filter selects no parameters "
+            f"(config.{spec.config_key}.train={scfg.train!r})."
+        )
     p_sh, f_sh = shd.state_shardings(abs_params, mesh), shd.state_shardings(abs_frozen, mesh)
     pure_params = nnx.as_pure(abs_params)
     o_sh = shd.optimizer_shardings(tx, pure_params, p_sh, mesh)
@@ -125,8 +174,12 @@ def _train(spec, ckpt, student_graphdef, abstract_student, abs_full, full_shardi
         _, params, frozen = _split(student_graphdef, full, spec.trainable)
         params, frozen = nnx.as_pure(params), nnx.as_pure(frozen)
         opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-    state = {"params": params, "frozen": frozen, "opt_state": opt_state,
-             "step": jax.device_put(np.int32(start), shd.replicated(mesh))}
+    state = {
+        "params": params,
+        "frozen": frozen,
+        "opt_state": opt_state,
+        "step": jax.device_put(np.int32(start), shd.replicated(mesh)),
+    }
     state = jax.device_put(state, state_sh)
 
     if start >= steps:
@@ -136,13 +189,23 @@ def _train(spec, ckpt, student_graphdef, abstract_student, abs_full, full_shardi
     step_fn = make_train_step(gd, None if teacher is None else teacher.graphdef, tx, settings, schedule)
     teacher_state = teacher.state if (teacher is not None and settings.needs_teacher) else None
     teacher_sh = teacher.shardings if teacher_state is not None else None
-    jstep = jax.jit(step_fn, in_shardings=(state_sh, teacher_sh, batch_sh),
-                    out_shardings=(state_sh, shd.replicated(mesh)), donate_argnums=(0,))
+    jstep = jax.jit(
+        step_fn,
+        in_shardings=(state_sh, teacher_sh, batch_sh),
+        out_shardings=(state_sh, shd.replicated(mesh)),
+        donate_argnums=(0,),
+    )
 
     tokens_per_step = int(scfg.batch_size) * int(scfg.seq_len)
-    logger = StageLogger(workdir, spec.directory.name, total_steps=steps, start_step=start,
-                         tokens_per_step=tokens_per_step, tensorboard=bool(logging_cfg.tensorboard),
-                         progress=bool(logging_cfg.progress))
+    logger = StageLogger(
+        workdir,
+        spec.directory.name,
+        total_steps=steps,
+        start_step=start,
+        tokens_per_step=tokens_per_step,
+        tensorboard=bool(logging_cfg.tensorboard),
+        progress=bool(logging_cfg.progress),
+    )
     last_good = ckpt.steps()[-1] if ckpt.steps() else None
     try:
         for step in range(start, steps):

@@ -4,6 +4,7 @@ Notation used throughout the package (layout is batch, time, heads, dim):
   q [B, T, Hq, D], k/v [B, S, Hkv, D], G = Hq // Hkv query heads per KV head (query head h reads
   KV head h // G, the HF `repeat_kv` convention). Causal: query i sees key j iff j <= i + q_offset.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,93 +19,95 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes of the blockwise / Pallas attention kernels.
+    """Tile sizes of the blockwise / Pallas attention kernels.
 
-  block_q, block_k: forward tiles along queries and keys. The *_dq and *_dkv fields are the tiles of
-  the two backward kernels (None = use the forward tiles). num_warps / num_stages only matter for the
-  Pallas Triton (GPU) lowering (None = a head-dim based heuristic).
-  """
+    block_q, block_k: forward tiles along queries and keys. The *_dq and *_dkv fields are the tiles of
+    the two backward kernels (None = use the forward tiles). num_warps / num_stages only matter for the
+    Pallas Triton (GPU) lowering (None = a head-dim based heuristic).
+    """
 
-  block_q: int = 128
-  block_k: int = 128
-  block_q_dq: int | None = None
-  block_k_dq: int | None = None
-  block_q_dkv: int | None = None
-  block_k_dkv: int | None = None
-  num_warps: int | None = None
-  num_stages: int | None = None
+    block_q: int = 128
+    block_k: int = 128
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    block_q_dkv: int | None = None
+    block_k_dkv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
 
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      val = getattr(self, f.name)
-      if val is not None and (not isinstance(val, int) or val <= 0):
-        raise ValueError(f"BlockSizes.{f.name} must be a positive int or None, got {val!r}")
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if val is not None and (not isinstance(val, int) or val <= 0):
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int or None, got {val!r}")
 
-  @property
-  def dq(self) -> tuple[int, int]:
-    return (self.block_q_dq or self.block_q, self.block_k_dq or self.block_k)
+    @property
+    def dq(self) -> tuple[int, int]:
+        return (self.block_q_dq or self.block_q, self.block_k_dq or self.block_k)
 
-  @property
-  def dkv(self) -> tuple[int, int]:
-    return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
+    @property
+    def dkv(self) -> tuple[int, int]:
+        return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
 
-  @classmethod
-  def default(cls, backend: str) -> "BlockSizes":
-    """Per-backend defaults: 'xla' (blockwise XLA), 'gpu' (Pallas Triton), 'tpu' (Pallas Mosaic)."""
-    if backend == "xla":
-      # Big tiles: XLA's per-iteration overhead dominates small ones; 512x512xHq fp32 scores stay small.
-      return cls(block_q=512, block_k=512)
-    if backend == "gpu":
-      # FlashAttention-2 style: tall query tile in the forward, square 64x64 tiles in the backward
-      # (each backward program holds two accumulators, dK and dV, in registers).
-      return cls(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=64,
-                 block_k_dkv=64, num_stages=2)
-    if backend == "tpu":
-      # Multiples of the (8, 128) vreg tile; 512-wide tiles keep the MXU busy and VMEM well within limits.
-      return cls(block_q=512, block_k=512, block_q_dq=256, block_k_dq=512, block_q_dkv=256,
-                 block_k_dkv=512)
-    raise ValueError(f"unknown backend {backend!r}; expected 'xla', 'gpu' or 'tpu'")
+    @classmethod
+    def default(cls, backend: str) -> BlockSizes:
+        """Per-backend defaults: 'xla' (blockwise XLA), 'gpu' (Pallas Triton), 'tpu' (Pallas Mosaic)."""
+        if backend == "xla":
+            # Big tiles: XLA's per-iteration overhead dominates small ones; 512x512xHq fp32 scores stay small.
+            return cls(block_q=512, block_k=512)
+        if backend == "gpu":
+            # FlashAttention-2 style: tall query tile in the forward, square 64x64 tiles in the backward
+            # (each backward program holds two accumulators, dK and dV, in registers).
+            return cls(
+                block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages=2
+            )
+        if backend == "tpu":
+            # Multiples of the (8, 128) vreg tile; 512-wide tiles keep the MXU busy and VMEM well within limits.
+            return cls(block_q=512, block_k=512, block_q_dq=256, block_k_dq=512, block_q_dkv=256, block_k_dkv=512)
+        raise ValueError(f"unknown backend {backend!r}; expected 'xla', 'gpu' or 'tpu'")
 
 
 def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+    return -(-a // b)
 
 
 def round_up(a: int, b: int) -> int:
-  return cdiv(a, b) * b
+    return cdiv(a, b) * b
 
 
 def check_inputs(q, k, v, *, causal: bool, scale, q_offset):
-  """Validates shapes/dtypes; returns (scale: float, q_offset: int) resolved to their defaults.
+    """Validates shapes/dtypes; returns (scale: float, q_offset: int) resolved to their defaults.
 
-  scale defaults to 1/sqrt(D); q_offset defaults to S - T when causal (the T queries are the LAST T
-  of the S key positions, as in KV-cache prefill-continuation or decode) and is unused otherwise.
-  """
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if getattr(x, "ndim", None) != 4:
-      raise ValueError(f"{name} must be 4-D [batch, time, heads, head_dim], got shape "
-                       f"{getattr(x, 'shape', None)}")
-  (b, t, hq, d), (bk, s, hkv, dk) = q.shape, k.shape
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-  if bk != b:
-    raise ValueError(f"batch mismatch: q has batch {b}, k/v have {bk}")
-  if dk != d:
-    raise ValueError(f"head_dim mismatch: q has D={d}, k/v have D={dk}; project them to the same size")
-  if hkv == 0 or hq % hkv:
-    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-  if t == 0 or s == 0:
-    raise ValueError(f"empty sequence: T={t}, S={s}")
-  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-  if not causal:
-    return scale, 0
-  q_offset = s - t if q_offset is None else int(q_offset)
-  if q_offset < 0:
-    raise ValueError(
-        f"causal attention with q_offset={q_offset} (T={t}, S={s}) would leave query 0 with no key to "
-        "attend to; pass q_offset >= 0 (queries are positions q_offset..q_offset+T-1 of the keys)")
-  return scale, q_offset
+    scale defaults to 1/sqrt(D); q_offset defaults to S - T when causal (the T queries are the LAST T
+    of the S key positions, as in KV-cache prefill-continuation or decode) and is unused otherwise.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, time, heads, head_dim], got shape {getattr(x, 'shape', None)}"
+            )
+    (b, t, hq, d), (bk, s, hkv, dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    if bk != b:
+        raise ValueError(f"batch mismatch: q has batch {b}, k/v have {bk}")
+    if dk != d:
+        raise ValueError(f"head_dim mismatch: q has D={d}, k/v have D={dk}; project them to the same size")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if t == 0 or s == 0:
+        raise ValueError(f"empty sequence: T={t}, S={s}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not causal:
+        return scale, 0
+    q_offset = s - t if q_offset is None else int(q_offset)
+    if q_offset < 0:
+        raise ValueError(
+            f"causal attention with q_offset={q_offset} (T={t}, S={s}) would leave query 0 with no key to "
+            "attend to; pass q_offset >= 0 (queries are positions q_offset..q_offset+T-1 of the keys)"
+        )
+    return scale, q_offset

@@ -1,84 +1,70 @@
 """Public entry point: `flash_attention(q, k, v, ...)` dispatching to a reference, XLA or Pallas backend."""
+
 from __future__ import annotations
 
-import logging
-
-import jax
-
+from pallas_kernels.dispatch import IMPLEMENTATIONS, check_implementation, platform_of, resolve
 from pallas_kernels.flash_attention._common import BlockSizes, check_inputs
 
-_log = logging.getLogger(__name__)
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
-_warned_interpret = False
+__all__ = ["IMPLEMENTATIONS", "flash_attention"]
 
 
-def _platform(x) -> str:
-  """Platform the computation will run on: that of a concrete input, else the default backend."""
-  try:
-    return next(iter(x.devices())).platform
-  except Exception:  # tracers (inside jit) have no devices: use the default backend
-    return jax.default_backend()
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+):
+    """Multi-head / grouped-query attention without materialising the [T, S] score matrix.
 
+    out[b, i, h] = Σ_j softmax_j(scale · q[b,i,h]·k[b,j,h//G]) v[b,j,h//G]  (softmax in fp32)
 
-def _log_interpret_once(platform: str):
-  global _warned_interpret
-  if not _warned_interpret:
-    _warned_interpret = True
-    _log.warning("flash_attention: no GPU/TPU (platform %r); running the Pallas kernel in "
-                 "interpret mode, which is slow and meant for testing only.", platform)
+    Args:
+      q: [B, T, Hq, D] queries. k, v: [B, S, Hkv, D]; Hq must be a multiple of Hkv (G = Hq // Hkv;
+        query head h uses KV head h // G).
+      causal: query i attends keys j <= i + q_offset only.
+      scale: logit scale, default 1/sqrt(D).
+      q_offset: position of query 0 among the keys; default S - T (the queries are the last T key
+        positions: prefill continuation / decode). Must be >= 0. Ignored when not causal.
+      implementation: "auto" (Pallas on GPU/TPU, "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
+        Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific
+        kernel; interpret mode on CPU), or "reference" (materialises the scores; for testing).
+      block_sizes: BlockSizes; default per backend (BlockSizes.default).
+    Returns:
+      [B, T, Hq, D] in q.dtype. Differentiable (recomputing backward) for every implementation.
+    """
+    check_implementation("flash_attention", implementation)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    scale, q_offset = check_inputs(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
 
+    implementation, interpret = resolve("flash_attention", implementation, platform_of(q))
+    if implementation == "reference":
+        from pallas_kernels.flash_attention.reference import attention_reference
 
-def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    q_offset: int | None = None, implementation: str = "auto",
-                    block_sizes: BlockSizes | None = None):
-  """Multi-head / grouped-query attention without materialising the [T, S] score matrix.
+        return attention_reference(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
+    if implementation == "xla":
+        from pallas_kernels.flash_attention.xla import flash_attention_xla
 
-  out[b, i, h] = Σ_j softmax_j(scale · q[b,i,h]·k[b,j,h//G]) v[b,j,h//G]  (softmax in fp32)
-
-  Args:
-    q: [B, T, Hq, D] queries. k, v: [B, S, Hkv, D]; Hq must be a multiple of Hkv (G = Hq // Hkv;
-      query head h uses KV head h // G).
-    causal: query i attends keys j <= i + q_offset only.
-    scale: logit scale, default 1/sqrt(D).
-    q_offset: position of query 0 among the keys; default S - T (the queries are the last T key
-      positions: prefill continuation / decode). Must be >= 0. Ignored when not causal.
-    implementation: "auto" (Pallas on GPU/TPU, "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
-      Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific
-      kernel; interpret mode on CPU), or "reference" (materialises the scores; for testing).
-    block_sizes: BlockSizes; default per backend (BlockSizes.default).
-  Returns:
-    [B, T, Hq, D] in q.dtype. Differentiable (recomputing backward) for every implementation.
-  """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-  scale, q_offset = check_inputs(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
-
-  platform = _platform(q)
-  if implementation == "auto":
-    implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
-  elif implementation == "pallas":
-    implementation = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
-
-  if implementation == "reference":
-    from pallas_kernels.flash_attention.reference import attention_reference
-    return attention_reference(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
-  if implementation == "xla":
-    from pallas_kernels.flash_attention.xla import flash_attention_xla
-    return flash_attention_xla(q, k, v, causal=causal, scale=scale, q_offset=q_offset,
-                               block_sizes=block_sizes or BlockSizes.default("xla"))
-  native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation]
-  interpret = platform != native
-  if interpret:
-    if platform in ("gpu", "tpu"):
-      raise ValueError(f"implementation={implementation!r} cannot run on a {platform}; use "
-                       f"'pallas' or 'auto' to pick this platform's kernel")
-    _log_interpret_once(platform)
-  if native == "gpu":
-    from pallas_kernels.flash_attention.pallas_gpu import flash_attention_gpu as kernel
-  else:
-    from pallas_kernels.flash_attention.pallas_tpu import flash_attention_tpu as kernel
-  return kernel(q, k, v, causal=causal, scale=scale, q_offset=q_offset,
-                block_sizes=block_sizes or BlockSizes.default(native), interpret=interpret)
+        return flash_attention_xla(
+            q, k, v, causal=causal, scale=scale, q_offset=q_offset, block_sizes=block_sizes or BlockSizes.default("xla")
+        )
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation]
+    if native == "gpu":
+        from pallas_kernels.flash_attention.pallas_gpu import flash_attention_gpu as kernel
+    else:
+        from pallas_kernels.flash_attention.pallas_tpu import flash_attention_tpu as kernel
+    return kernel(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        q_offset=q_offset,
+        block_sizes=block_sizes or BlockSizes.default(native),
+        interpret=interpret,
+    )

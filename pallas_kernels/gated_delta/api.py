@@ -3,31 +3,18 @@
 Same semantics and argument names as flash-linear-attention's `chunk_gated_delta_rule`, so results
 can be compared directly; see reference.py for the recurrence.
 """
+
 from __future__ import annotations
 
-import logging
-
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.dispatch import IMPLEMENTATIONS, platform_of, resolve
 
 from . import reference as _reference
 from . import xla as _xla
 from .step import gated_delta_rule_step
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_step", "IMPLEMENTATIONS"]
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
-_log = logging.getLogger(__name__)
-_logged_interpret = False
-
-
-def _log_interpret_once(name):
-    global _logged_interpret
-    if not _logged_interpret:
-        _logged_interpret = True
-        _log.warning("gated_delta: implementation=%r on %s runs the Pallas kernel in interpret mode "
-                     "(correct but slow; meant for tests). Use implementation='xla' for speed.",
-                     name, jax.default_backend())
 
 
 def _check(q, k, v, g, beta, initial_state, chunk_size, scale):
@@ -43,8 +30,10 @@ def _check(q, k, v, g, beta, initial_state, chunk_size, scale):
         fail(f"v must be [batch, time, heads, value_dim] with (B,T,H)={(B, T, H)}; got {v.shape}")
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, H):
-            fail(f"{name} must be [batch, time, heads]={(B, T, H)}; got {x.shape}"
-                 + (" (drop the trailing singleton axis)" if x.shape == (B, T, H, 1) else ""))
+            fail(
+                f"{name} must be [batch, time, heads]={(B, T, H)}; got {x.shape}"
+                + (" (drop the trailing singleton axis)" if x.shape == (B, T, H, 1) else "")
+            )
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             fail(f"{name} must be floating point; got {x.dtype}")
@@ -61,26 +50,20 @@ def _check(q, k, v, g, beta, initial_state, chunk_size, scale):
         fail("the time axis is empty")
 
 
-def _resolve(implementation):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"chunk_gated_delta_rule: unknown implementation {implementation!r}; "
-                         f"valid ones are {', '.join(IMPLEMENTATIONS)}")
-    platform = jax.default_backend()
-    if implementation == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla"), False
-    if implementation == "pallas":
-        implementation = {"tpu": "pallas_tpu"}.get(platform, "pallas_gpu")
-    if implementation == "pallas_gpu" and platform == "tpu" or implementation == "pallas_tpu" and platform == "gpu":
-        raise ValueError(f"chunk_gated_delta_rule: implementation={implementation!r} cannot run on {platform}; "
-                         f"use 'pallas' or 'auto' to pick this platform's kernel")
-    interpret = implementation.startswith("pallas") and platform not in ("gpu", "tpu")
-    if interpret:
-        _log_interpret_once(implementation)
-    return implementation, interpret
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm=False, chunk_size=64, implementation="auto"):
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm=False,
+    chunk_size=64,
+    implementation="auto",
+):
     """Gated delta rule over a whole sequence (chunked, differentiable).
 
     Args:
@@ -93,11 +76,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     Returns:
       (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] fp32 or None).
     """
-    name, interpret = _resolve(implementation)
+    name, interpret = resolve("chunk_gated_delta_rule", implementation, platform_of(q))
     _check(q, k, v, g, beta, initial_state, chunk_size, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-              use_qk_l2norm=use_qk_l2norm)
+    kw = dict(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm
+    )
     if name == "reference":
         return _reference.naive_gated_delta_rule(q, k, v, g, beta, **kw)
     if name == "xla":

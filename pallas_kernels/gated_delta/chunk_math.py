@@ -40,6 +40,7 @@ The per-chunk functions are written with ops that lower on Triton, Mosaic TPU an
 dynamic value indexing, no 1-D layouts (G travels as a (C, 1) column). Every exponent is ≤ 0: decay differences
 are masked to −inf where i < j BEFORE exp, so even g = −20 per step over a 64-token chunk cannot overflow.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,15 +81,15 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
         n = c // (2 * size)
         blocks = a.reshape(batch + (n, 2, size, n, 2, size))
         idx = jnp.arange(n)
-        lower = blocks[..., idx, 1, :, idx, 0, :]               # L₂₁ of every 2s-block: [n, ..., s, s]
-        lower = jnp.moveaxis(lower, 0, -3)                      # [..., n, s, s]
+        lower = blocks[..., idx, 1, :, idx, 0, :]  # L₂₁ of every 2s-block: [n, ..., s, s]
+        lower = jnp.moveaxis(lower, 0, -3)  # [..., n, s, s]
         pairs = inv.reshape(batch + (n, 2, size, size))
         x11, x22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
         x21 = -_mm("...ij,...jk->...ik", x22, _mm("...ij,...jk->...ik", lower, x11))
         zero = jnp.zeros_like(x11)
         top = jnp.concatenate([x11, zero], axis=-1)
         bottom = jnp.concatenate([x21, x22], axis=-1)
-        inv = jnp.concatenate([top, bottom], axis=-2)           # [..., n, 2s, 2s]
+        inv = jnp.concatenate([top, bottom], axis=-2)  # [..., n, 2s, 2s]
         size *= 2
     return inv.reshape(batch + (c, c))
 
@@ -204,16 +205,21 @@ def chunk_backward(q, k, w, u, g, s, do, ds, prec):
     dvn = _dot(scores, do, prec, trans_a=True) + _dot(kd, ds, prec)
     dw = -_dot(dvn, s, prec, trans_b=True)
     dqd = _dot(do, s, prec, trans_b=True)
-    dsc = _dot(do, vn, prec, trans_b=True) * decay          # ∂L/∂(q kᵀ), zero above the diagonal
+    dsc = _dot(do, vn, prec, trans_b=True) * decay  # ∂L/∂(q kᵀ), zero above the diagonal
     dq = dqd * eg + _dot(dsc, k, prec)
     dkd = _dot(vn, ds, prec, trans_b=True)
     dk = _dot(dsc, q, prec, trans_a=True) + dkd * ek
-    m = dsc * qk                                              # ∂L/∂(G_i − G_j) on i ≥ j
+    m = dsc * qk  # ∂L/∂(G_i − G_j) on i ≥ j
     m_colsum = jnp.sum(jnp.where(row == col, jnp.sum(m, axis=0, keepdims=True), 0.0), axis=1, keepdims=True)
     s_k = jnp.sum(dkd * kd, axis=1, keepdims=True)
     d_glast = jnp.sum(s_k) + jnp.exp(g_last) * jnp.sum(ds * s)
-    dg = (jnp.sum(dqd * q * eg, axis=1, keepdims=True) + jnp.sum(m, axis=1, keepdims=True) - m_colsum
-          - s_k + jnp.where(last, d_glast, 0.0))
+    dg = (
+        jnp.sum(dqd * q * eg, axis=1, keepdims=True)
+        + jnp.sum(m, axis=1, keepdims=True)
+        - m_colsum
+        - s_k
+        + jnp.where(last, d_glast, 0.0)
+    )
     ds_prev = _dot(q * eg, do, prec, trans_a=True) + jnp.exp(g_last) * ds - _dot(w, dvn, prec, trans_a=True)
     return dq, dk, dw, dvn, dg, ds_prev
 
@@ -260,8 +266,22 @@ def make_recurrence(fwd_call, bwd_call):
 # ------------------------------------------------------------------------------------ 3. the wrapper
 
 
-def chunked_gated_delta_rule(recurrence, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                             use_qk_l2norm, chunk_size, pad_pow2, prec=None):
+def chunked_gated_delta_rule(
+    recurrence,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm,
+    chunk_size,
+    pad_pow2,
+    prec=None,
+):
     """Prologue (l2norm, time padding, WY transform), then a backend's ``recurrence`` (from `make_recurrence`).
 
     With ``pad_pow2`` (the Pallas kernels: Triton block shapes) K and V are zero padded to powers of two ≥ 16;

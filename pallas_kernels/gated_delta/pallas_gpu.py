@@ -7,6 +7,7 @@ so the grid parallelises over them; the backward's q/k/W/G gradients sum over va
 program writes a partial and the wrapper adds them. The forward used for training also writes the
 state at every chunk start ([B,H,N,K,V], the only thing the backward does not recompute).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,14 +42,40 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *maybe
     sT_ref[...] = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(_F32))
 
 
-def _bwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, st_ref, do_ref, dsT_ref,
-                dq_ref, dk_ref, dw_ref, du_ref, dg_ref, ds0_ref, *, C, N, prec):
+def _bwd_kernel(
+    q_ref,
+    k_ref,
+    w_ref,
+    u_ref,
+    g_ref,
+    st_ref,
+    do_ref,
+    dsT_ref,
+    dq_ref,
+    dk_ref,
+    dw_ref,
+    du_ref,
+    dg_ref,
+    ds0_ref,
+    *,
+    C,
+    N,
+    prec,
+):
     def body(i, ds):
         n = N - 1 - i
         sl = pl.ds(pl.multiple_of(n * C, C), C)
         dq, dk, dw, du, dg, ds = common.chunk_backward(
-            q_ref[sl, :], k_ref[sl, :], w_ref[sl, :], u_ref[sl, :], g_ref[sl, :], st_ref[n, :, :],
-            do_ref[sl, :], ds, prec)
+            q_ref[sl, :],
+            k_ref[sl, :],
+            w_ref[sl, :],
+            u_ref[sl, :],
+            g_ref[sl, :],
+            st_ref[n, :, :],
+            do_ref[sl, :],
+            ds,
+            prec,
+        )
         dq_ref[sl, :] = dq
         dk_ref[sl, :] = dk
         dw_ref[sl, :] = dw
@@ -81,8 +108,14 @@ def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=F
     outs = pl.pallas_call(
         functools.partial(_fwd_kernel, C=C, N=N, prec=prec),
         grid=(B, H, Vp // bv),
-        in_specs=[full_k, full_k, full_k, tile_v,
-                  pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)), state],
+        in_specs=[
+            full_k,
+            full_k,
+            full_k,
+            tile_v,
+            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
+            state,
+        ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(num_warps, Kp),
@@ -108,12 +141,23 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
     dq, dk, dw, du, dg, ds0 = pl.pallas_call(
         functools.partial(_bwd_kernel, C=C, N=N, prec=prec),
         grid=(B, H, nv),
-        in_specs=[full_k, full_k, full_k, tile_v, g_spec,
-                  pl.BlockSpec((None, None, N, Kp, bv), lambda b, h, j: (b, h, 0, 0, j)), tile_v, state],
+        in_specs=[
+            full_k,
+            full_k,
+            full_k,
+            tile_v,
+            g_spec,
+            pl.BlockSpec((None, None, N, Kp, bv), lambda b, h, j: (b, h, 0, 0, j)),
+            tile_v,
+            state,
+        ],
         out_specs=[part_k, part_k, part_k, tile_v, part_g, state],
         out_shape=[jax.ShapeDtypeStruct((B, H, nv, Tp, Kp), _F32)] * 3
-        + [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32), jax.ShapeDtypeStruct((B, H, nv, Tp, 1), _F32),
-           jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
+        + [
+            jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
+            jax.ShapeDtypeStruct((B, H, nv, Tp, 1), _F32),
+            jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32),
+        ],
         compiler_params=_params(num_warps, Kp),
         interpret=interpret,
         name="gated_delta_bwd",
@@ -122,17 +166,43 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
     return dq.sum(2), dk.sum(2), dw.sum(2), du, dg.sum(2), ds0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recurrence(chunk_size=64, interpret=False, block_v=None, num_warps=None):
     """The custom_vjp recurrence for one static configuration (cached so jit sees one function)."""
     kw = dict(chunk_size=chunk_size, interpret=interpret, block_v=block_v, num_warps=num_warps)
     return common.make_recurrence(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
 
 
-def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                                      use_qk_l2norm, chunk_size=64, interpret=False, block_v=None,
-                                      num_warps=None, prec=None):
+def chunk_gated_delta_rule_pallas_gpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm,
+    chunk_size=64,
+    interpret=False,
+    block_v=None,
+    num_warps=None,
+    prec=None,
+):
     rec = recurrence(chunk_size, interpret, block_v, num_warps)
     return common.chunked_gated_delta_rule(
-        rec, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, pad_pow2=True, prec=prec)
+        rec,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        pad_pow2=True,
+        prec=prec,
+    )

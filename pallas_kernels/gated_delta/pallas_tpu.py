@@ -7,6 +7,7 @@ The backward walks the chunk axis in reverse through its index maps, carrying dS
 reading the chunk-start states the training forward saved. Same chunk math as the GPU kernel
 (`chunk_math`); only block specs, scratch handling and compiler params differ.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,25 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *rest,
         sT_ref[...] = s
 
 
-def _bwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, st_ref, do_ref, dsT_ref,
-                dq_ref, dk_ref, dw_ref, du_ref, dg_ref, ds0_ref, ds_scr, *, prec):
+def _bwd_kernel(
+    q_ref,
+    k_ref,
+    w_ref,
+    u_ref,
+    g_ref,
+    st_ref,
+    do_ref,
+    dsT_ref,
+    dq_ref,
+    dk_ref,
+    dw_ref,
+    du_ref,
+    dg_ref,
+    ds0_ref,
+    ds_scr,
+    *,
+    prec,
+):
     i = pl.program_id(2)
 
     @pl.when(i == 0)
@@ -51,7 +69,8 @@ def _bwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, st_ref, do_ref, dsT_ref,
         ds_scr[...] = dsT_ref[...].astype(_F32)
 
     dq, dk, dw, du, dg, ds = common.chunk_backward(
-        q_ref[...], k_ref[...], w_ref[...], u_ref[...], g_ref[...], st_ref[...], do_ref[...], ds_scr[...], prec)
+        q_ref[...], k_ref[...], w_ref[...], u_ref[...], g_ref[...], st_ref[...], do_ref[...], ds_scr[...], prec
+    )
     dq_ref[...] = dq
     dk_ref[...] = dk
     dw_ref[...] = dw
@@ -104,31 +123,60 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
     C = chunk_size
     N = Tp // C
     chunk_k, chunk_v, chunk_g, state_n, state = _specs(C, Kp, Vp, N, reverse=True)
-    return tuple(pl.pallas_call(
-        functools.partial(_bwd_kernel, prec=prec),
-        grid=(B, H, N),
-        in_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state_n, chunk_v, state],
-        out_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Kp), _F32)] * 3
-        + [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32), jax.ShapeDtypeStruct((B, H, Tp, 1), _F32),
-           jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
-        scratch_shapes=[pltpu.VMEM((Kp, Vp), _F32)],
-        compiler_params=_SEMANTICS,
-        interpret=interpret,
-        name="gated_delta_bwd",
-    )(q, k, w, u, g, states, do, dsT))
+    return tuple(
+        pl.pallas_call(
+            functools.partial(_bwd_kernel, prec=prec),
+            grid=(B, H, N),
+            in_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state_n, chunk_v, state],
+            out_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state],
+            out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Kp), _F32)] * 3
+            + [
+                jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
+                jax.ShapeDtypeStruct((B, H, Tp, 1), _F32),
+                jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32),
+            ],
+            scratch_shapes=[pltpu.VMEM((Kp, Vp), _F32)],
+            compiler_params=_SEMANTICS,
+            interpret=interpret,
+            name="gated_delta_bwd",
+        )(q, k, w, u, g, states, do, dsT)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recurrence(chunk_size=64, interpret=False):
     """The custom_vjp recurrence for one static configuration (cached so jit sees one function)."""
     kw = dict(chunk_size=chunk_size, interpret=interpret)
     return common.make_recurrence(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
 
 
-def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                                      use_qk_l2norm, chunk_size=64, interpret=False, prec=None):
+def chunk_gated_delta_rule_pallas_tpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm,
+    chunk_size=64,
+    interpret=False,
+    prec=None,
+):
     return common.chunked_gated_delta_rule(
-        recurrence(chunk_size, interpret), q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-        pad_pow2=True, prec=prec)
+        recurrence(chunk_size, interpret),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        pad_pow2=True,
+        prec=prec,
+    )

@@ -10,6 +10,7 @@ Per (batch, head), with the state S ∈ R^{K×V} kept in fp32:
 (The row-vector papers write S ∈ R^{V×K} and S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; it is the
 same map transposed.) Semantics and argument names follow flash-linear-attention's `chunk_gated_delta_rule`.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,15 +25,16 @@ def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def naive_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm=False):
+def naive_gated_delta_rule(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False
+):
     """Token-by-token fp32 scan. q,k [B,T,H,K], v [B,T,H,V], g,beta [B,T,H], initial_state [B,H,K,V].
 
     Returns (o [B,T,H,V] in q.dtype, final_state [B,H,K,V] fp32 or None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     f32 = jnp.float32
     out_dtype = q.dtype
     if use_qk_l2norm:
@@ -45,7 +47,7 @@ def naive_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
         s = s * jnp.exp(g_t)[..., None, None]
-        pred = jnp.einsum("bhkv,bhk->bhv", s, k_t)            # what the decayed state recalls for k_t
+        pred = jnp.einsum("bhkv,bhk->bhv", s, k_t)  # what the decayed state recalls for k_t
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * (v_t - pred))
         o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t) * scale
         return s, o_t

@@ -1,4 +1,5 @@
 """One-token gated delta rule step for decode."""
+
 from __future__ import annotations
 
 import jax
@@ -19,15 +20,16 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=
     launch would add overhead and buy nothing (there is no chunk of tokens to amortise it over).
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"gated_delta_rule_step: expected q,k [B,H,K] and v [B,H,V]; got q {q.shape}, "
-                         f"k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"gated_delta_rule_step: expected q,k [B,H,K] and v [B,H,V]; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     B, H, K = q.shape
     V = v.shape[-1]
     if g.shape != (B, H) or beta.shape != (B, H):
         raise ValueError(f"gated_delta_rule_step: g and beta must be [B,H]={(B, H)}; got {g.shape}, {beta.shape}")
     if state.shape != (B, H, K, V):
         raise ValueError(f"gated_delta_rule_step: state must be [B,H,K,V]={(B, H, K, V)}; got {state.shape}")
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     f32 = jnp.float32
     out_dtype = q.dtype
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.astype(f32), k.astype(f32))

@@ -1,0 +1,79 @@
+"""Backend choice shared by every kernel: implementation names, the platform, and interpret mode.
+
+Every op's public API takes ``implementation=`` with the same names and resolves it here, so the rule is written
+once:
+
+    "auto"        the Pallas kernel of the platform (GPU → "pallas_gpu", TPU → "pallas_tpu"), "xla" elsewhere
+    "pallas"      this platform's Pallas kernel; on a CPU the GPU kernel in interpret mode (slow; for tests)
+    "pallas_gpu"  the Triton kernel (interpret mode off a GPU; refused on a TPU)
+    "pallas_tpu"  the Mosaic kernel (interpret mode off a TPU; refused on a GPU)
+    "xla"         the blockwise / chunked pure-JAX path: every user's fallback, and the CPU's only fast path
+    "reference"   the slow exact implementation the tests compare against
+
+The platform is that of a concrete input array when there is one (a committed array decides where the op runs),
+else JAX's default backend (inside ``jit`` inputs are tracers without devices).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
+BACKENDS = ("xla", "reference", "pallas_gpu", "pallas_tpu")
+_NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def platform_of(x=None) -> str:
+    """The platform ``x`` lives on ("cpu", "gpu", "tpu"), or the default backend for tracers and ``None``."""
+    if x is not None:
+        try:
+            return next(iter(x.devices())).platform
+        except (AttributeError, TypeError, StopIteration, jax.errors.ConcretizationTypeError):
+            pass
+    return jax.default_backend()
+
+
+def check_implementation(op: str, implementation: str) -> None:
+    """Raise a ValueError naming the valid choices when ``implementation`` is not one of them."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
+
+
+def resolve(op: str, implementation: str, platform: str | None = None) -> tuple[str, bool]:
+    """Map a user's ``implementation`` to (backend, interpret) for ``op`` on ``platform``.
+
+    Returns one of ``BACKENDS`` and whether a Pallas kernel must run in interpret mode (no matching accelerator).
+    Raises ValueError for an unknown name, or for a Pallas kernel asked to run on the other accelerator (it would
+    neither compile there nor be worth interpreting).
+    """
+    check_implementation(op, implementation)
+    platform = platform or jax.default_backend()
+    if implementation == "auto":
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla"), False
+    if implementation == "pallas":
+        implementation = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+    if implementation in ("xla", "reference"):
+        return implementation, False
+    native = _NATIVE_PLATFORM[implementation]
+    if platform == native:
+        return implementation, False
+    if platform in ("gpu", "tpu"):
+        raise ValueError(
+            f"{op}: implementation={implementation!r} cannot run on a {platform}; "
+            "use 'pallas' or 'auto' to pick this platform's kernel, or 'xla'"
+        )
+    if op not in _warned:
+        _warned.add(op)
+        _log.warning(
+            "%s: implementation=%r on %s runs the Pallas kernel in interpret mode (correct but slow; meant for "
+            "tests). Use implementation='xla' for speed.",
+            op,
+            implementation,
+            platform,
+        )
+    return implementation, True
