@@ -69,7 +69,7 @@ def cached_attention(
 class HeadProbe:
     """An intervention on the teacher's attention, for head-selection probes (``Block(..., probe=HeadProbe(...))``).
 
-    With a probe the layer attends with ``dense_attention`` (exact softmax, probabilities kept) and then
+    With a probe the layer attends (with ``dense_attention`` when it records or has a context) and then
 
         o_h ← keep_h · o_h + (1 − keep_h) · fill_h        before o_proj
 
@@ -87,14 +87,21 @@ class HeadProbe:
     context: tuple[jax.Array, jax.Array] | None = None
     record: dict | None = None
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
-        """q [B,T,Hq,D], k/v [B,T,Hkv,D] after RoPE → the edited per-head outputs [B,T,Hq,D] (float32)."""
-        k_all, v_all = k, v
-        if self.context is not None:
-            rows = jnp.arange(q.shape[0])[:, None]
-            k_all = self.context[0].at[rows, positions].set(k.astype(self.context[0].dtype))
-            v_all = self.context[1].at[rows, positions].set(v.astype(self.context[1].dtype))
-        heads, probs = dense_attention(q, k_all, v_all, scale, positions)
+    def run(self, attn: Attention, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+        """q [B,T,Hq,D], k/v [B,T,Hkv,D] after RoPE → the edited per-head outputs [B,T,Hq,D] (float32).
+
+        The dense reference attention when probabilities are recorded or a context is given; otherwise the
+        layer's own blockwise attention, so an intervention alone keeps no [T, S] score matrix.
+        """
+        if self.record is None and self.context is None:
+            heads = attn.full_attention(q, k, v, None, None)[0].astype(jnp.float32)
+        else:
+            k_all, v_all = k, v
+            if self.context is not None:
+                rows = jnp.arange(q.shape[0])[:, None]
+                k_all = self.context[0].at[rows, positions].set(k.astype(self.context[0].dtype))
+                v_all = self.context[1].at[rows, positions].set(v.astype(self.context[1].dtype))
+            heads, probs = dense_attention(q, k_all, v_all, attn.scale, positions)
         if self.keep is not None:
             keep = jnp.asarray(self.keep, jnp.float32)[..., None]
             fill = 0.0 if self.fill is None else jnp.asarray(self.fill, jnp.float32)
@@ -169,14 +176,14 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None]:
         """Per-head outputs o [B,T,Hq,D] before o_proj (and the new cache), for x [B,T,d] at ``positions``.
 
-        With a ``probe`` (no cache) the attention is the dense reference and the probe may edit the outputs.
+        With a ``probe`` (no cache) the probe runs the attention (``HeadProbe.run``) and may edit the outputs.
         """
         q, k, v = self.project(x, positions)
         if probe is None:
             return self.full_attention(q, k, v, cache, cache_index)
         if cache is not None:
             raise ValueError("a HeadProbe runs on whole sequences (or rows of one via its context), not with a cache.")
-        return probe.attend(q, k, v, positions, self.scale).astype(q.dtype), None
+        return probe.run(self, q, k, v, positions).astype(q.dtype), None
 
     def __call__(
         self,
