@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hydrahead_jax.config import ModelConfig  # noqa: E402
-from hydrahead_jax.hybrid import HeadMap, HybridConfig, fa_budget  # noqa: E402
+from hydrahead_jax.hybrid import HeadMap, HybridConfig, HydraHeadAttention, fa_budget  # noqa: E402
 from hydrahead_jax.models.attention import Attention  # noqa: E402
 
 SHAPES = {
@@ -99,9 +99,9 @@ def make_block(cfg: ModelConfig, kind: str) -> Attention:
     if kind == "xla-dense":
         return DenseAttention(cfg, rngs=rngs, attention_impl="xla")
     if kind == "1-FA":
-        return Attention(cfg, rngs=rngs, fa_groups=(0,), hybrid_cfg=hc)
+        return HydraHeadAttention(cfg, rngs=rngs, fa_groups=(0,), hybrid_cfg=hc)
     if kind == "all-LA":
-        return Attention(cfg, rngs=rngs, fa_groups=(), hybrid_cfg=hc)
+        return HydraHeadAttention(cfg, rngs=rngs, fa_groups=(), hybrid_cfg=hc)
     raise ValueError(kind)
 
 

@@ -5,6 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from model_shapes import QWEN3_1P7B, SMOLLM2_135M
 
 from hydrahead_jax.config import ConfigError, ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model, cache_bytes, fa_budget, parse_ratio
@@ -12,16 +13,7 @@ from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_mode
 CFG = ModelConfig(
     vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
 )
-SMOL = ModelConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    name="SmolLM2-135M",
-)
+SMOL, QWEN3 = SMOLLM2_135M, QWEN3_1P7B
 
 
 @pytest.mark.parametrize(
@@ -52,7 +44,9 @@ def test_parse_ratio_rejects_impossible(ratio):
 
 def test_fa_budget():
     assert fa_budget(SMOL, "7:1", "global") == 11  # round(90 / 8 = 11.25)
-    assert fa_budget(SMOL, "25%", "per_layer") == 1  # round(0.75)
+    assert fa_budget(QWEN3, "7:1", "per_layer") == 1 and fa_budget(QWEN3, "7:1", "global") == 28
+    with pytest.raises(HeadMapError, match="global"):
+        fa_budget(SMOL, "25%", "per_layer")  # 0.75 groups per layer: rounding would make it 2:1, not 3:1
     assert fa_budget(SMOL, "3:1", "global") == 23  # round(22.5) half up
     with pytest.raises(HeadMapError, match="global"):
         fa_budget(SMOL, "7:1", "per_layer")  # 0.375 groups per layer rounds to 0
@@ -77,6 +71,43 @@ def test_layerwise_every_pth_layer_ending_at_last():
         HeadMap.layerwise(CFG)
     with pytest.raises(HeadMapError, match="not an index"):
         HeadMap.layerwise(CFG, fa_layers=[4])
+
+
+@pytest.mark.parametrize(
+    "cfg,ratio,target,layers",
+    [
+        (QWEN3, "7:1", 28, 3),  # 28 / 8 = 3.5 layers: a tie, the fewer (24 groups), never more KV than HydraHead
+        (QWEN3, "3:1", 56, 7),  # exact: 7 whole layers
+        (QWEN3, "15:1", 14, 2),  # 1.75 → 2 layers (16 groups)
+        (SMOL, "7:1", 11, 4),  # 11.25 → 11 groups; 11 / 3 = 3.67 → 4 layers (12 groups)
+        (SMOL, "3:1", 23, 8),  # 22.5 → 23 groups; 7.67 → 8 layers (24 groups)
+        (SMOL, "2:1", 30, 10),  # exact
+        (SMOL, "29:1", 3, 1),  # exact: one layer
+    ],
+)
+def test_layerwise_matches_the_hydrahead_kv_budget(cfg, ratio, target, layers):
+    groups = cfg.num_kv_heads
+    assert fa_budget(cfg, ratio, "global") == target
+    # The nearest whole-layer count found by brute force (ties to the fewer layers).
+    assert min(range(cfg.num_layers + 1), key=lambda m: (abs(m * groups - target), m)) == layers
+    hm = HeadMap.layerwise(cfg, ratio=ratio)
+    assert hm.num_fa_groups() == layers * groups
+    assert all(g in ([], list(range(groups))) for g in hm.fa_groups) and hm.fa_groups[-1]
+    assert hm.budget["target_fa_groups"] == target and hm.budget["fa_groups"] == layers * groups
+    assert hm.budget["exact"] == (layers * groups == target)
+    # Equal FA groups is equal KV bytes per token: 2 (k, v) · groups · D · itemsize.
+    kv = cache_bytes(cfg, hm, context_len=1, dtype=jnp.bfloat16)["kv_bytes_per_token"]
+    assert kv == layers * groups * 2 * cfg.head_dim * 2
+
+
+def test_layerwise_budget_survives_save_and_load(tmp_path):
+    hm = HeadMap.layerwise(QWEN3, ratio="7:1")
+    hm.save(tmp_path / "lw.json")
+    loaded = HeadMap.load(tmp_path / "lw.json", QWEN3)
+    assert loaded.budget == hm.budget and "3.5" in loaded.budget["rule"]
+    assert HeadMap.layerwise(CFG, fa_layers=[1]).budget == {}  # explicit layers: no budget was matched
+    old = {k: v for k, v in HeadMap.all_fa(CFG).to_dict().items() if k != "budget"}
+    assert HeadMap.from_dict(old).budget == {}  # maps written before the field load unchanged
 
 
 def test_constructors_and_kv_ratio():

@@ -1,5 +1,6 @@
 """HydraHead students on tiny random teachers: exact weight reuse, the LA path against a numpy recurrence written
-from the DESIGN equations, fusion, prefill + decode == full forward, bf16, and the distance to the teacher at init."""
+from the block's equations (hybrid/attention.py, hybrid/gdn.py), fusion, prefill + decode == full forward, bf16,
+and the distance to the teacher at init."""
 
 import functools
 
@@ -11,7 +12,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student, new_param_filter
-from hydrahead_jax.models.attention import Attention
+from hydrahead_jax.hybrid.attention import HydraHeadAttention
 from hydrahead_jax.models.generate import generate
 from hydrahead_jax.models.transformer import Transformer
 
@@ -131,9 +132,9 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
 
 def test_subset_of_groups_needs_a_hybrid_config():
     with pytest.raises(ValueError, match="hybrid_cfg"):
-        Attention(CFG, rngs=nnx.Rngs(0), fa_groups=(1,))
+        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_groups=(1,))
     with pytest.raises(ValueError, match="distinct KV group"):
-        Attention(CFG, rngs=nnx.Rngs(0), fa_groups=(2,), hybrid_cfg=HybridConfig())
+        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_groups=(2,), hybrid_cfg=HybridConfig())
 
 
 # ------------------------------------------------------------------------------------------ numpy oracle
@@ -163,7 +164,7 @@ def _silu(x):
 
 
 def naive_la_attention(attn, x, hc):
-    """The all-LA HydraHead block from DESIGN §2, token by token in float64 numpy."""
+    """The all-LA HydraHead block (hybrid/attention.py), token by token in float64 numpy."""
     cfg = attn.cfg
     B, T, _ = x.shape
     H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
@@ -312,7 +313,7 @@ def test_fusion_modes_and_calibration(fusion, granularity):
     x, teacher_heads = naive_teacher_heads(teacher, ids)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     heads = np.asarray(
-        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).hybrid_heads(x, positions, None, None)[0])(
+        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).head_outputs(x, positions)[0])(
             nnx.state(attn), jnp.asarray(x, jnp.float32)
         ),
         np.float64,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_shapes import QWEN3_1P7B, SMOLLM2_135M
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.head_map import HeadMap
@@ -350,3 +351,29 @@ def test_run_selection_end_to_end(tmp_path):
     assert loaded.probe["settings"]["ablation_length"] == 256 and loaded.probe["ablation"]["num_prompts"] == 2
     assert (tmp_path / "head_scores.png").exists()
     json.loads((tmp_path / "head_map.json").read_text())
+    assert loaded.budget["target_fa_groups"] == loaded.budget["fa_groups"] == 2 and loaded.budget["exact"]
+
+
+@pytest.mark.parametrize(
+    "cfg,allocation,hydrahead,layerwise",
+    [
+        (QWEN3_1P7B, "per_layer", 28, 24),  # 1 FA group in each of 28 layers; layer-wise 3.5 → 3 layers of 8
+        (QWEN3_1P7B, "global", 28, 24),
+        (SMOLLM2_135M, "global", 11, 12),  # 90 / 8 = 11.25 → 11; layer-wise 11 / 3 = 3.67 → 4 layers of 3
+    ],
+)
+def test_baselines_at_hydraheads_kv_budget(tmp_path, cfg, allocation, hydrahead, layerwise):
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # random and layer-wise read only the shape
+    maps = {}
+    for method in ("random", "layerwise"):
+        sel = {"method": method, "ratio": "7:1", "allocation": allocation}
+        maps[method] = run_selection(model, None, sel, tmp_path / method, log=lambda *_: None)
+        assert HeadMap.load(tmp_path / method / "head_map.json", cfg).budget == maps[method].budget
+    random, lw = maps["random"], maps["layerwise"]
+    assert random.num_fa_groups() == hydrahead and random.budget["exact"]
+    assert random.budget["target_fa_groups"] == random.budget["fa_groups"] == hydrahead
+    if allocation == "per_layer":
+        assert all(len(g) == 1 for g in random.fa_groups)
+    assert lw.num_fa_groups() == layerwise and lw.budget["target_fa_groups"] == hydrahead
+    assert lw.budget["exact"] is False and lw.budget["fa_groups"] == layerwise
+    assert all(g in ([], list(range(cfg.num_kv_heads))) for g in lw.fa_groups)

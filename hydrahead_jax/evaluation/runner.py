@@ -3,7 +3,8 @@
 Why not ``models.generate``: it returns logits for every prompt position from prefill ([B, T, V] f32 is 6.4 GB at
 32K tokens with a 49K vocabulary) and times prefill and decode together. Here prefill projects only the last
 position, each executable is compiled ahead of time so its memory need (``memory_analysis``) is known before
-anything is allocated, and prefill and decode are timed separately.
+anything is allocated, and prefill and decode are timed separately. The token loop itself is the one of
+``models.generate`` (``decode_loop``).
 
 Memory accounting: ``need_bytes = argument + output + temp − alias`` of the compiled executable (XLA's own
 buffer assignment). Parameters are among the arguments and already resident, so ``extra_bytes`` (need minus the
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from hydrahead_jax.models.generate import decode_loop
 
 
 class OutOfMemory(RuntimeError):
@@ -234,20 +237,16 @@ class Runner:
         start = time.perf_counter()
         logits, cache = self._call(prefill, self.state, jnp.asarray(ids), cache)
         prefill_s = time.perf_counter() - start
-        tokens, times = [], []
-        done = np.zeros(b, bool)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        while True:
-            tokens.append(np.asarray(token))
-            if eos_id is not None:
-                done |= tokens[-1] == eos_id
-            if len(tokens) == max_new_tokens or done.all():
-                break
+        times = []
+
+        def timed_step(token, cache):
             start = time.perf_counter()
-            logits, cache = self._call(decode, self.state, token, cache)
+            out = self._call(decode, self.state, token, cache)
             times.append(time.perf_counter() - start)
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return Generation(np.stack(tokens, axis=1), prefill_s, times, prefill_bytes, decode_bytes)
+            return out
+
+        tokens = decode_loop(logits, cache, timed_step, max_new_tokens, eos_id=eos_id)
+        return Generation(tokens, prefill_s, times, prefill_bytes, decode_bytes)
 
     # -- scoring text --------------------------------------------------------------------------------------
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid.attention import HydraHeadAttention
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.fusion import calibrate_fusion
 from hydrahead_jax.hybrid.head_map import HeadMap
-from hydrahead_jax.models.attention import Attention
 from hydrahead_jax.models.transformer import Transformer
 
 # The parameters a student has and its teacher does not: Gated DeltaNet heads and fusion scales (stage 1 trains
@@ -22,13 +22,14 @@ def build_model(
     cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, rngs: nnx.Rngs | None = None
 ) -> Transformer:
     """A randomly initialised HydraHead model of ``cfg`` with the FA groups of ``head_map`` (layers with every
-    group FA are plain softmax layers; layers with none are all Gated DeltaNet)."""
+    group FA are plain softmax layers; layers with none are all Gated DeltaNet): the teacher's ``Transformer``
+    with a ``HydraHeadAttention`` per layer, plugged in through its ``attention_factory``."""
     hybrid_cfg = HybridConfig() if hybrid_cfg is None else hybrid_cfg
     head_map.validate(cfg)
     rngs = nnx.Rngs(0) if rngs is None else rngs
 
-    def factory(i: int, r: nnx.Rngs) -> Attention:
-        return Attention(
+    def factory(i: int, r: nnx.Rngs) -> HydraHeadAttention:
+        return HydraHeadAttention(
             cfg,
             rngs=r,
             fa_groups=tuple(head_map.fa_groups[i]),

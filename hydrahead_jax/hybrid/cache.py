@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid.attention import HydraHeadAttention
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.head_map import HeadMap
 
@@ -33,8 +34,13 @@ def _layout(model_or_cfg, head_map, hybrid_cfg):
             "cache_bytes(model): the model already fixes its head map and HybridConfig; pass "
             "head_map/hybrid_cfg only with a ModelConfig."
         )
+    cfg = model_or_cfg.cfg
+    all_groups = tuple(range(cfg.num_kv_heads))
+    # The teacher's attention (not a HydraHeadAttention) keeps every group FA.
     attns = [layer.self_attn for layer in model_or_cfg.layers]
-    return model_or_cfg.cfg, [a.fa_groups for a in attns], [a.hybrid_cfg for a in attns]
+    hydra = [isinstance(a, HydraHeadAttention) for a in attns]
+    groups = [a.fa_groups if h else all_groups for a, h in zip(attns, hydra)]
+    return cfg, groups, [a.hybrid_cfg if h else None for a, h in zip(attns, hydra)]
 
 
 def cache_bytes(

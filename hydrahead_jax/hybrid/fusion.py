@@ -1,19 +1,10 @@
-"""Scale-normalised fusion of head outputs (our design; the paper's formula is not public).
+"""Calibration of the fusion scales γ (the fusion itself is ``hybrid.attention.ScaleFusion``).
 
-For every head h the fusion touches (the LA heads for ``la_only``, all heads of the layer for ``both``):
-
-    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε)          γ_h ∈ R (``head``) or R^D (``channel``)
-
-then heads are concatenated in their original order and go through the teacher's o_proj. FA and LA heads
-produce outputs of very different magnitude (a softmax average of values vs a delta-rule state read-out);
-normalising each head and rescaling it to what the teacher's head produced puts them on the teacher's scale.
-γ is learnable and initialised from the teacher's measured per-head output RMS on a calibration batch:
+γ starts at the teacher's measured per-head attention-output RMS (before o_proj) on a calibration batch, so the
+fused heads start on the teacher's scale:
 
     γ_h = sqrt(mean_{b,t,c} o^teacher_{b,t,h,c}²)       (``head``)
     γ_{h,c} = sqrt(mean_{b,t} o^teacher_{b,t,h,c}²)     (``channel``)
-
-``none`` leaves outputs untouched. A layer whose groups are all FA has no LA head to balance: it stays the
-teacher's layer, without fusion, so an all-FA head map reproduces the teacher exactly.
 """
 
 from __future__ import annotations
@@ -25,28 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.hybrid.attention import HydraHeadAttention
 from hydrahead_jax.models.attention import Attention
-
-
-class ScaleFusion(nnx.Module):
-    """Per-head RMS normalisation times a learnable γ for the query heads ``heads`` (original indices, sorted)."""
-
-    def __init__(self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype):
-        self.heads = tuple(heads)
-        self.granularity = granularity
-        self.eps = eps
-        shape = (len(heads),) if granularity == "head" else (len(heads), head_dim)
-        self.gamma = nnx.Param(
-            jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
-        )
-
-    def __call__(self, o: jax.Array) -> jax.Array:
-        """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
-        o32 = o.astype(jnp.float32)
-        o32 = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + self.eps)
-        gamma = self.gamma[...].astype(jnp.float32)
-        gamma = gamma[:, None] if self.granularity == "head" else gamma
-        return (o32 * gamma).astype(o.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -59,10 +30,8 @@ def _head_rms(graphdef, state, input_ids, granularity):
     axes = (0, 1, 3) if granularity == "head" else (0, 1)
     rms = []
     for layer, x in zip(teacher.layers, inter["attn_inputs"]):
-        attn = layer.self_attn
-        q, k, v = attn.project(x, positions)
-        out, _ = attn.full_attention(q, k, v, None, None)  # [B,T,Hq,D], before o_proj
-        rms.append(jnp.sqrt(jnp.mean(jnp.square(out.astype(jnp.float32)), axis=axes)))
+        heads, _ = layer.self_attn.head_outputs(x, positions)  # [B,T,Hq,D], before o_proj
+        rms.append(jnp.sqrt(jnp.mean(jnp.square(heads.astype(jnp.float32)), axis=axes)))
     return jnp.stack(rms)
 
 
@@ -70,7 +39,8 @@ def teacher_head_rms(teacher: nnx.Module, input_ids, granularity: str = "head") 
     """The teacher's per-head attention-output RMS (before o_proj): [L, Hq] (head) or [L, Hq, D] (channel)."""
     for i, layer in enumerate(teacher.layers):
         attn = layer.self_attn
-        if not isinstance(attn, Attention) or attn.hybrid_cfg is not None:
+        student = isinstance(attn, HydraHeadAttention) and attn.hybrid_cfg is not None
+        if not isinstance(attn, Attention) or student:
             raise ValueError(
                 f"teacher layer {i} is not plain softmax attention; calibrate against the teacher model, not a student."
             )

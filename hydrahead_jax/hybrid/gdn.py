@@ -35,7 +35,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
-from hydrahead_jax.models.layers import apply_rope, param_init
+from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
@@ -164,8 +164,7 @@ class GatedDeltaNetHeads(nnx.Module):
         """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""
         b, t = o.shape[:2]
         z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim).astype(jnp.float32)
-        o32 = o.astype(jnp.float32)
-        o32 = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        o32 = rms_normalize(o, self.cfg.rms_norm_eps)
         return (o32 * self.o_norm_weight[...].astype(jnp.float32) * jax.nn.silu(z)).astype(o.dtype)
 
     # ------------------------------------------------------------------------------------------ forward

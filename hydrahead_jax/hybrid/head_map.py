@@ -10,6 +10,8 @@ File format (``format_version`` 1)::
      "method": "retrieval" | "ablation" | "layerwise" | "all_fa" | ...,
      "probe": {...},                                     # settings of the probe that produced the scores
      "scores": {"retrieval": [[...G floats...] × L], ...},
+     "budget": {"target_fa_groups": n, "fa_groups": n', "exact": ..., "rule": ...},   # optional: the KV
+                                                         # budget the map was sized to, and how it was met
      "fa_groups": [[sorted FA group indices of layer 0], ..., [... of layer L−1]]}
 
 A ratio "a:b" reads LA:FA (the paper's "7:1" keeps 1 head in 8 as FA), so its FA fraction is b / (a + b).
@@ -70,24 +72,44 @@ def parse_ratio(ratio: str | float | int) -> float:
     return fraction
 
 
-def fa_budget(cfg: ModelConfig, ratio: str | float, allocation: str) -> int:
-    """Number of FA groups a ratio buys: per layer ("per_layer") or in the whole model ("global").
+def fa_group_count(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> int:
+    """The one ratio → FA-count rule: FA groups per layer ("per_layer") or in the whole model ("global").
 
-    Rounds to nearest (half up). A non-zero ratio that rounds to zero FA groups is an error, not a silent
-    all-LA model: with 3 KV groups per layer, 7:1 per layer would be 0.375 → 0; use global allocation.
+    With FA fraction f, L layers and G KV groups per layer:
+
+        per_layer:  k = f·G in every layer; f·G must be a whole number. Rounding it would silently change the
+                    ratio (3:1 on 3 groups is 0.75 → 1, i.e. 2:1), so any other ratio is an error that lists the
+                    ratios a layer can meet and points to global allocation.
+        global:     n = round(f·L·G), half up (the nearest achievable budget; 7:1 of 90 groups is 11.25 → 11).
+
+    A non-zero ratio that buys no FA group is an error, not a silent all-LA model; f = 0 gives 0.
     """
     if allocation not in ALLOCATIONS:
         raise HeadMapError(f"allocation={allocation!r}; choose one of {ALLOCATIONS}.")
-    fraction = parse_ratio(ratio)
-    pool = cfg.num_kv_heads if allocation == "per_layer" else cfg.num_kv_heads * cfg.num_layers
-    count = int(math.floor(fraction * pool + 0.5))
-    if fraction > 0 and count == 0:
-        hint = " use allocation='global'" if allocation == "per_layer" else " choose a larger FA fraction"
+    f = parse_ratio(ratio)
+    if allocation == "per_layer":
+        k = f * num_groups
+        if abs(k - round(k)) > 1e-6 or (f > 0 and round(k) < 1):
+            achievable = ", ".join(f"{num_groups - j}:{j}" for j in range(1, num_groups + 1))
+            raise HeadMapError(
+                f"ratio {ratio!r} (FA fraction {f:.4g}) needs {k:.3g} FA groups per layer, but each layer has "
+                f"{num_groups} KV groups; per_layer allocation can only meet LA:FA ratios {achievable}. "
+                f"Use allocation='global' (top-k over all {num_layers * num_groups} groups) instead."
+            )
+        return int(round(k))
+    count = int(math.floor(f * num_layers * num_groups + 0.5))
+    if f > 0 and count == 0:
         raise HeadMapError(
-            f"ratio {ratio!r} (FA fraction {fraction:.4g}) of {pool} KV groups "
-            f"({allocation}) rounds to 0 FA groups;{hint}."
+            f"ratio {ratio!r} (FA fraction {f:.4g}) of {num_layers * num_groups} KV groups rounds to 0 FA "
+            "groups; choose a larger FA fraction."
         )
     return count
+
+
+def fa_budget(cfg: ModelConfig, ratio: str | float, allocation: str) -> int:
+    """FA groups a ratio buys for ``cfg``: per layer ("per_layer") or in the whole model ("global"); see
+    ``fa_group_count`` for the rule."""
+    return fa_group_count(ratio, allocation, cfg.num_layers, cfg.num_kv_heads)
 
 
 @dataclasses.dataclass
@@ -99,6 +121,7 @@ class HeadMap:
     allocation: str = "per_layer"
     probe: dict[str, Any] = dataclasses.field(default_factory=dict)
     scores: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    budget: dict[str, Any] = dataclasses.field(default_factory=dict)
     granularity: str = GRANULARITY
     format_version: int = FORMAT_VERSION
 
@@ -118,6 +141,7 @@ class HeadMap:
         allocation: str = "per_layer",
         probe: dict[str, Any] | None = None,
         scores: dict[str, Any] | None = None,
+        budget: dict[str, Any] | None = None,
     ) -> HeadMap:
         """A validated map for ``cfg`` with the given FA groups per layer (sorted on the way in)."""
         groups = [sorted(int(g) for g in layer) for layer in fa_groups]
@@ -131,6 +155,7 @@ class HeadMap:
             allocation=allocation,
             probe=dict(probe or {}),
             scores=scores,
+            budget=dict(budget or {}),
         )
         head_map.validate(cfg)
         return head_map
@@ -151,36 +176,57 @@ class HeadMap:
     ) -> HeadMap:
         """Layer-wise hybrid baseline: whole layers FA (all groups) or LA (none), from a layer list or a ratio.
 
-        From a ratio with FA fraction f: when 1/f is an integer p (3:1 → 4, 7:1 → 8) every p-th layer ending at
-        the last one is FA (L−1, L−1−p, …), the periodic pattern of published layer-wise hybrids; otherwise
-        round(f·L) layers evenly spaced, again ending at the last. Ending at the last layer keeps softmax
-        attention next to the logits, where retrieval output is read out.
+        From a ratio, the baseline gets HydraHead's KV budget at that ratio: n = round(f·L·G) FA groups
+        (``fa_group_count``, global; the per-layer count times L when that is whole), which is also its KV bytes
+        per token, 2·n·D·itemsize. Whole layers hold G groups each, so it takes the whole number of layers m
+        whose m·G is nearest n; on a tie the fewer, so the baseline never holds more KV cache than HydraHead
+        (Qwen3-1.7B shape, 28 layers × 8 groups, 7:1: n = 28 → 3.5 layers → 3 layers = 24 groups); at least one
+        layer for a non-zero ratio. ``budget`` records the target, the result and whether it is exact.
+
+        Placement: when 1/f is an integer p (3:1 → 4, 7:1 → 8) and every p-th layer ending at the last one gives
+        m layers (L−1, L−1−p, …), that periodic pattern of published layer-wise hybrids; otherwise m layers
+        evenly spaced, again ending at the last. Ending at the last layer keeps softmax attention next to the
+        logits, where retrieval output is read out.
         """
         if (ratio is None) == (fa_layers is None):
             raise HeadMapError("HeadMap.layerwise needs exactly one of ratio='3:1' or fa_layers=[...].")
-        L = cfg.num_layers
+        L, G = cfg.num_layers, cfg.num_kv_heads
+        budget: dict[str, Any] = {}
         if fa_layers is None:
             f = parse_ratio(ratio)
-            if f == 0:
-                chosen = set()
-            elif abs(1 / f - round(1 / f)) < 1e-9:
+            target = fa_budget(cfg, ratio, "global")
+            fewer, more = target // G, -(-target // G)
+            m = fewer if target - fewer * G <= more * G - target else more
+            m = max(m, 1) if target > 0 else 0
+            if f > 0 and abs(1 / f - round(1 / f)) < 1e-9 and len(range(L - 1, -1, -round(1 / f))) == m:
                 chosen = set(range(L - 1, -1, -round(1 / f)))
             else:
-                n = max(1, int(math.floor(f * L + 0.5)))
-                chosen = {int(round(L - 1 - j * L / n)) for j in range(n)}
+                chosen = {int(round(L - 1 - j * L / m)) for j in range(m)}
+            budget = {
+                "matches": "hydrahead_fa_kv_groups",
+                "ratio": str(ratio),
+                "target_fa_groups": target,
+                "fa_groups": m * G,
+                "exact": m * G == target,
+                "rule": (
+                    f"whole layers of {G} KV groups: {target} / {G} = {target / G:.4g} layers -> {m} "
+                    "(nearest; a tie takes the fewer, so the baseline never holds more KV cache than HydraHead)"
+                ),
+            }
         else:
             chosen = set()
             for layer in fa_layers:
                 if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
                     raise HeadMapError(f"fa_layers: layer {layer!r} is not an index in [0, {L}).")
                 chosen.add(layer)
-        all_groups = list(range(cfg.num_kv_heads))
+        all_groups = list(range(G))
         return cls.from_fa_groups(
             cfg,
             [all_groups if i in chosen else [] for i in range(L)],
             method="layerwise",
             target_ratio=None if ratio is None else str(ratio),
             probe={"fa_layers": sorted(chosen)},
+            budget=budget,
         )
 
     # ------------------------------------------------------------------------------------------ queries
@@ -217,6 +263,8 @@ class HeadMap:
                 parse_ratio(self.target_ratio)
             except HeadMapError as e:
                 fail(f"target_ratio: {e}")
+        if not isinstance(self.budget, dict):
+            fail(f"budget must be an object (the KV budget the map was sized to), got {self.budget!r}.")
         if not isinstance(self.model, dict) or set(_MODEL_FIELDS) - set(self.model):
             fail(f"model must be an object with fields {list(_MODEL_FIELDS)}, got {self.model!r}.")
         L, G = self.model["num_layers"], self.model["num_kv_heads"]

@@ -1,48 +1,55 @@
-"""Grouped-query attention over the teacher's q/k/v/o projections: the teacher's softmax attention, and the
-HydraHead hybrid block of a student.
+"""The teacher's grouped-query attention over its q/k/v/o projections, and the dense reference softmax attention.
 
-A *KV group* g is KV head g together with query heads g·G … g·G+G−1 (G = num_heads / num_kv_heads). The teacher
-runs full attention (FA) on every group. A HydraHead layer (``hybrid_cfg`` given, ``fa_groups`` a strict subset)
-splits the groups:
+    q, k, v = x W_q, x W_k, x W_v (+ Qwen2 biases, + Qwen3 per-head q/k RMSNorm)   [B,T,Hq,D], [B,T,Hkv,D]
+    o_h     = softmax_j(RoPE(q)_h · RoPE(k)_{h//G, j} · D^-½, j ≤ t) · v_{h//G}    per query head h, G = Hq / Hkv
+    out     = concat_h(o_h) · W_o
 
-    q, k, v = teacher projections (+ q/k norm)                     [B,T,Hq,D], [B,T,Hkv,D]
-    o_FA = softmax attention(RoPE(q_FA), RoPE(k_FA), v_FA)          KV cache for FA groups only
-    o_LA = GatedDeltaNet(x, q_LA, k_LA, v_LA)                       constant-size state (hybrid/gdn.py)
-    o    = fusion(concat(o_FA, o_LA) in original head order)       (hybrid/fusion.py)
-    out  = o · W_o                                                  the teacher's o_proj
-
-A layer whose groups are all FA is the teacher's layer unchanged (no fusion), whatever ``hybrid_cfg`` says.
+``Attention.head_outputs`` returns the per-head outputs o [B,T,Hq,D] before o_proj: the one place they are
+computed. ``__call__`` is o_proj of it; fusion calibration reads it; a ``HeadProbe`` (head selection) reads the
+attention probabilities through it and may replace heads' outputs before o_proj. The HydraHead block
+(``hydrahead_jax.hybrid.attention``) is a subclass that overrides ``head_outputs``; this module knows nothing of it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.models.layers import RMSNorm, apply_rope, dense
 from pallas_kernels.flash_attention import flash_attention
 
-if TYPE_CHECKING:
-    from hydrahead_jax.hybrid.config import HybridConfig
-
 LayerCache = dict[str, Any]
 
 
-def group_heads(groups: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """Query-head indices of the given KV groups, in order."""
-    return tuple(g * group_size + j for g in groups for j in range(group_size))
+def dense_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float, query_positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Causal GQA softmax attention with the whole score matrix: the reference the decode path and probes share.
 
+    q [B,T,Hq,D] sits at ``query_positions`` ([T] or [B,T]); k, v [B,S,Hkv,D] hold keys at positions 0 … S−1.
+    Query t sees key j when j ≤ query_positions[t]; query head h reads KV head h // (Hq/Hkv):
 
-def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
-    """x[:, :, heads] with static indices: a slice when they are contiguous, a gather otherwise."""
-    if heads == tuple(range(heads[0], heads[0] + len(heads))):
-        return jax.lax.slice_in_dim(x, heads[0], heads[0] + len(heads), axis=2)
-    return jnp.take(x, np.asarray(heads), axis=2)
+        probs_{h,t,j} = softmax_j(q_{t,h} · k_{j,h//G} · scale  masked to j ≤ p_t),   out_{t,h} = Σ_j probs_{h,t,j} v_j
+
+    Returns (out [B,T,Hq,D], probs [B,Hq,T,S]), both float32. Scores are [B,Hq,T,S]: cheap for decoding (T = 1) and
+    for probing short prompts; training and long prefills use the blockwise ``flash_attention``.
+    """
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+    query_positions = jnp.asarray(query_positions)
+    if query_positions.ndim == 1:
+        query_positions = query_positions[None]
+    visible = jnp.arange(s)[None, None, :] <= query_positions[:, :, None]  # [B or 1, T, S]
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, hq, d), probs.reshape(b, hq, t, s)
 
 
 def cached_attention(
@@ -50,55 +57,66 @@ def cached_attention(
 ) -> jax.Array:
     """Softmax attention of a few new queries q [B,T,Hq,D] against a cache [B,S,Hkv,D] holding ``length`` valid keys.
 
-    The T new queries sit at positions length−T … length−1: query t sees keys j ≤ length − T + t. Scores are
-    [B, Hq, T, S] — cheap for decoding (T = 1); long prompts go through ``flash_attention`` instead.
+    The T new queries sit at positions length−T … length−1 (``dense_attention`` with those query positions); the
+    output has q's dtype.
     """
-    b, t, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32)) * scale
-    key_pos = jnp.arange(k_cache.shape[1])
-    query_pos = length - t + jnp.arange(t)
-    visible = key_pos[None, :] <= query_pos[:, None]  # [T, S]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32))
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    t = q.shape[1]
+    out, _ = dense_attention(q, k_cache, v_cache, scale, length - t + jnp.arange(t))
+    return out.astype(q.dtype)
+
+
+@dataclasses.dataclass
+class HeadProbe:
+    """An intervention on the teacher's attention, for head-selection probes (``Block(..., probe=HeadProbe(...))``).
+
+    With a probe the layer attends (with ``dense_attention`` when it records or has a context) and then
+
+        o_h ← keep_h · o_h + (1 − keep_h) · fill_h        before o_proj
+
+    keep: broadcastable to [B,T,Hq] (1 keeps a head's output, 0 replaces it); None keeps every head.
+    fill: broadcastable to [B,T,Hq,D], the replacement (zeros: zero-ablation; a mean output: mean-ablation).
+    context: None when the tokens are the whole sequence. Otherwise the post-RoPE keys and values (k, v
+        [B,S,Hkv,D]) of a whole sequence the tokens belong to; the tokens, at ``positions`` in it, write their own
+        keys/values there and attend to it causally (re-running a few rows of a sequence against its clean pass).
+    record: when a dict, receives "k", "v" (the tokens' post-RoPE keys/values), "probs" [B,Hq,T,S] and "heads"
+        (the per-head outputs after the replacement, float32).
+    """
+
+    keep: jax.Array | None = None
+    fill: jax.Array | None = None
+    context: tuple[jax.Array, jax.Array] | None = None
+    record: dict | None = None
+
+    def run(self, attn: Attention, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+        """q [B,T,Hq,D], k/v [B,T,Hkv,D] after RoPE → the edited per-head outputs [B,T,Hq,D] (float32).
+
+        The dense reference attention when probabilities are recorded or a context is given; otherwise the
+        layer's own blockwise attention, so an intervention alone keeps no [T, S] score matrix.
+        """
+        if self.record is None and self.context is None:
+            heads = attn.full_attention(q, k, v, None, None)[0].astype(jnp.float32)
+        else:
+            k_all, v_all = k, v
+            if self.context is not None:
+                rows = jnp.arange(q.shape[0])[:, None]
+                k_all = self.context[0].at[rows, positions].set(k.astype(self.context[0].dtype))
+                v_all = self.context[1].at[rows, positions].set(v.astype(self.context[1].dtype))
+            heads, probs = dense_attention(q, k_all, v_all, attn.scale, positions)
+        if self.keep is not None:
+            keep = jnp.asarray(self.keep, jnp.float32)[..., None]
+            fill = 0.0 if self.fill is None else jnp.asarray(self.fill, jnp.float32)
+            heads = heads * keep + fill * (1.0 - keep)
+        if self.record is not None:
+            self.record.update(k=k, v=v, probs=probs, heads=heads)
+        return heads
 
 
 class Attention(nnx.Module):
-    """Teacher attention: q/k/v projections (+ Qwen2 biases, Qwen3 q/k RMSNorm), RoPE, GQA softmax, o_proj.
+    """Teacher attention: q/k/v projections (+ Qwen2 biases, Qwen3 q/k RMSNorm), RoPE, GQA softmax, o_proj."""
 
-    With ``hybrid_cfg`` and ``fa_groups`` a strict subset of the KV groups it is the HydraHead block: the other
-    groups run Gated DeltaNet (submodule ``gdn``), outputs pass scale-normalised fusion (submodule ``fusion``).
-    """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        rngs: nnx.Rngs,
-        fa_groups: tuple[int, ...] | None = None,
-        attention_impl: str = "auto",
-        hybrid_cfg: HybridConfig | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto"):
         self.cfg = cfg
         self.attention_impl = attention_impl
-        all_groups = tuple(range(cfg.num_kv_heads))
-        self.fa_groups = all_groups if fa_groups is None else tuple(sorted(int(g) for g in fa_groups))
-        bad = [g for g in self.fa_groups if not 0 <= g < cfg.num_kv_heads]
-        if bad or len(set(self.fa_groups)) != len(self.fa_groups):
-            raise ValueError(
-                f"fa_groups={tuple(fa_groups)} must be distinct KV group indices in [0, {cfg.num_kv_heads})."
-            )
-        self.la_groups = tuple(g for g in all_groups if g not in self.fa_groups)
-        if self.la_groups and hybrid_cfg is None:
-            raise ValueError(
-                f"fa_groups={self.fa_groups} leaves KV groups {self.la_groups} without softmax "
-                "attention; pass hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads."
-            )
-        # A layer without LA groups is the teacher's layer: nothing to fuse, so no hybrid machinery.
-        self.hybrid_cfg = hybrid_cfg if self.la_groups else None
         kw = dict(rngs=rngs, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_dtype)
         d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = dense(d, h * hd, ("embed", "heads"), use_bias=cfg.attention_bias, **kw)
@@ -108,31 +126,6 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
-        if self.hybrid_cfg is not None:
-            self._init_hybrid(rngs)
-
-    def _init_hybrid(self, rngs: nnx.Rngs):
-        # Imported here: hydrahead_jax.hybrid imports the model package, which imports this module.
-        from hydrahead_jax.hybrid.fusion import ScaleFusion
-        from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads
-
-        cfg, hc = self.cfg, self.hybrid_cfg
-        self.fa_heads = group_heads(self.fa_groups, cfg.group_size)
-        self.la_heads = group_heads(self.la_groups, cfg.group_size)
-        # concat(o_FA, o_LA)[..., order[h], :] is head h in the original order.
-        self.head_order = tuple(int(i) for i in np.argsort(np.asarray(self.fa_heads + self.la_heads)))
-        self.gdn = GatedDeltaNetHeads(cfg, hc, self.la_groups, rngs=rngs)
-        if hc.fusion != "none":
-            heads = self.la_heads if hc.fusion == "la_only" else tuple(range(cfg.num_heads))
-            self.fusion = ScaleFusion(
-                heads,
-                cfg.head_dim,
-                granularity=hc.fusion_granularity,
-                eps=cfg.rms_norm_eps,
-                param_dtype=cfg.jnp_param_dtype,
-            )
-        else:
-            self.fusion = None
 
     @property
     def scale(self) -> float:
@@ -158,7 +151,7 @@ class Attention(nnx.Module):
         return self.rope(q, positions), self.rope(k, positions), v
 
     def full_attention(self, q, k, v, cache: LayerCache | None, cache_index) -> tuple[jax.Array, LayerCache | None]:
-        """Softmax attention of the FA groups' heads; q [B,T,Hq_fa,D], k/v [B,T,Hkv_fa,D].
+        """Softmax attention of q [B,T,Hq',D] over k/v [B,T,Hkv',D] (any whole number of KV groups).
 
         Without a cache, or when filling an empty one (prefill, T > 1), it runs blockwise ``flash_attention``
         over the new tokens; a decode step (T == 1) writes its k/v at ``cache_index`` and attends to the cache.
@@ -173,58 +166,38 @@ class Attention(nnx.Module):
         out = flash_attention(q, k, v, causal=True, scale=self.scale, implementation=self.attention_impl)
         return out, cache
 
+    def head_outputs(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache | None = None,
+        cache_index: jax.Array | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Per-head outputs o [B,T,Hq,D] before o_proj (and the new cache), for x [B,T,d] at ``positions``.
+
+        With a ``probe`` (no cache) the probe runs the attention (``HeadProbe.run``) and may edit the outputs.
+        """
+        q, k, v = self.project(x, positions)
+        if probe is None:
+            return self.full_attention(q, k, v, cache, cache_index)
+        if cache is not None:
+            raise ValueError("a HeadProbe runs on whole sequences (or rows of one via its context), not with a cache.")
+        return probe.run(self, q, k, v, positions).astype(q.dtype), None
+
     def __call__(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None, cache_index: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache | None = None,
+        cache_index: jax.Array | None = None,
+        probe: HeadProbe | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        if self.hybrid_cfg is not None:
-            out, cache = self.hybrid_heads(x, positions, cache, cache_index)
-            return self.o_proj(out.reshape(b, t, -1)), cache
-        q, k, v = self.project(x, positions)
-        out, cache = self.full_attention(q, k, v, cache, cache_index)
-        return self.o_proj(out.reshape(b, t, -1)), cache
-
-    def hybrid_heads(self, x, positions, cache: LayerCache | None, cache_index) -> tuple[jax.Array, LayerCache | None]:
-        """HydraHead: all head outputs [B,T,Hq,D] in the original order, before o_proj (and the new cache)."""
-        q, k, v = self.project_heads(x)
-        new_cache = None if cache is None else dict(cache)
-        parts = []
-        if self.fa_groups:
-            q_fa = self.rope(take_heads(q, self.fa_heads), positions)
-            k_fa = self.rope(take_heads(k, self.fa_groups), positions)
-            fa_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-            o_fa, fa_cache = self.full_attention(q_fa, k_fa, take_heads(v, self.fa_groups), fa_cache, cache_index)
-            parts.append(o_fa)
-            if cache is not None:
-                new_cache.update(fa_cache)
-        la_cache = None if cache is None else {key: cache[key] for key in ("gdn_state", "conv_state") if key in cache}
-        o_la, la_cache = self.gdn(
-            x,
-            take_heads(q, self.la_heads),
-            take_heads(k, self.la_groups),
-            take_heads(v, self.la_groups),
-            positions,
-            la_cache,
-        )
-        if cache is not None:
-            new_cache.update(la_cache)
-        if self.hybrid_cfg.fusion == "la_only":
-            o_la = self.fusion(o_la)
-        parts.append(o_la.astype(q.dtype))
-        out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-        if self.fa_groups:
-            out = take_heads(out, self.head_order)
-        if self.hybrid_cfg.fusion == "both":
-            out = self.fusion(out)
-        return out, new_cache
+        heads, cache = self.head_outputs(x, positions, cache, cache_index, probe)
+        return self.o_proj(heads.reshape(b, t, -1)), cache
 
     def init_cache(self, batch: int, max_len: int, dtype) -> LayerCache:
-        """KV cache for the FA groups only: k, v [B, max_len, n_fa_groups, D]; plus, in a HydraHead layer, the LA
-        groups' constant-size state: gdn_state [B, H_la, D, D] fp32 and conv_state [B, conv_size−1, C]."""
-        cache: LayerCache = {}
-        if self.fa_groups:
-            shape = (batch, max_len, len(self.fa_groups), self.cfg.head_dim)
-            cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-        if self.hybrid_cfg is not None:
-            cache.update(self.gdn.init_cache(batch, dtype))
-        return cache
+        """KV cache: k, v [B, max_len, Hkv, D]."""
+        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

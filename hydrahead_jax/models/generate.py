@@ -8,7 +8,8 @@ generation loop costs one compiled call per token and no graph walk.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,41 @@ def _pick(logits: jax.Array, temperature: float, key: jax.Array | None) -> jax.A
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+def decode_loop(
+    logits: jax.Array,
+    cache,
+    step: Callable[[jax.Array, Any], tuple[jax.Array, Any]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    return_logits: bool = False,
+):
+    """The token loop every generator shares: from the prefill's last-position ``logits`` [B, V] and ``cache``,
+    pick a token (greedy when temperature is 0), then ``logits, cache = step(token, cache)`` until
+    ``max_new_tokens`` tokens, or until every sequence has produced ``eos_id``. No step runs after the last token.
+
+    Returns new tokens [B, N] (np.int32), and with ``return_logits`` the logits that chose each, [B, N, V].
+    """
+    key = jax.random.key(seed)
+    tokens, all_logits = [], []
+    done = np.zeros(logits.shape[0], bool)
+    while True:
+        key, sub = jax.random.split(key)
+        token = _pick(logits, temperature, sub)
+        tokens.append(np.asarray(token))
+        if return_logits:
+            all_logits.append(np.asarray(logits))
+        if eos_id is not None:
+            done |= tokens[-1] == eos_id
+        if len(tokens) == max_new_tokens or done.all():
+            break
+        logits, cache = step(token, cache)
+    out = np.stack(tokens, axis=1)
+    return (out, np.stack(all_logits, axis=1)) if return_logits else out
+
+
 def generate(
     model: nnx.Module,
     prompt_ids: Sequence[Sequence[int]] | np.ndarray,
@@ -59,22 +95,14 @@ def generate(
     batch, length = ids.shape
     graphdef, state = nnx.split(model)
     cache = model.init_cache(batch, length + max_new_tokens)
-    key = jax.random.key(seed)
     logits, cache = _prefill(graphdef, state, ids, cache)
-    tokens, all_logits = [], []
-    done = np.zeros(batch, bool)
-    for _ in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        token = _pick(logits, temperature, sub)
-        tokens.append(np.asarray(token))
-        if return_logits:
-            all_logits.append(np.asarray(logits))
-        if eos_id is not None:
-            done |= tokens[-1] == eos_id
-            if done.all():
-                break
-        if len(tokens) == max_new_tokens:
-            break
-        logits, cache = _decode_step(graphdef, state, token, cache)
-    out = np.stack(tokens, axis=1)
-    return (out, np.stack(all_logits, axis=1)) if return_logits else out
+    return decode_loop(
+        logits,
+        cache,
+        lambda token, cache: _decode_step(graphdef, state, token, cache),
+        max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        eos_id=eos_id,
+        return_logits=return_logits,
+    )

@@ -43,6 +43,16 @@ def dense(
     )
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean_c x_c² + eps) over the last axis, in float32 (returns float32).
+
+    The one RMS normalisation of the code base: the decoder's RMSNorm, the HydraHead fusion and the Gated DeltaNet
+    output gate all scale this by their own weights.
+    """
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     """y = x / sqrt(mean(x²) + eps) · w, computed in float32 and cast back to the input dtype."""
 
@@ -51,9 +61,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis_name,), eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float) -> jax.Array:

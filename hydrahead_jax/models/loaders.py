@@ -1,14 +1,7 @@
 """Read pretrained decoder checkpoints (GGUF files, Hugging Face folders) into a ModelConfig and float32 tensors.
 
-Both readers return tensors under Hugging Face names in torch layout (linear weights ``[out, in]``), so one
-weight-copy routine (``transformer.load_hf_weights``) serves every source:
-
-    model.embed_tokens.weight                         [V, D]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  [out, in]       (+ q/k/v .bias for Qwen2)
-    model.layers.{i}.self_attn.{q,k}_norm.weight      [head_dim]      (Qwen3)
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
-    model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight   [D]
-    lm_head.weight                                    [V, D]          (absent when embeddings are tied)
+Both readers return tensors under Hugging Face names in torch layout (linear weights ``[out, in]``), the table of
+``hf_layout.hf_tensors``, so one weight-copy routine (``transformer.load_hf_weights``) serves every source.
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.models.hf_layout import hf_tensors
 
 SMOLLM2_SOURCE = "smollm2-135m"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,33 +34,7 @@ class CheckpointError(ValueError):
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``cfg`` must hold, by Hugging Face name, with its torch-layout shape."""
-    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_out, d),
-            p + "self_attn.k_proj.weight": (kv_out, d),
-            p + "self_attn.v_proj.weight": (kv_out, d),
-            p + "self_attn.o_proj.weight": (d, q_out),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-        }
-        if cfg.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_out,),
-                p + "self_attn.k_proj.bias": (kv_out,),
-                p + "self_attn.v_proj.bias": (kv_out,),
-            }
-        if cfg.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-    return shapes
+    return {name: tensor.shape for name, tensor in hf_tensors(cfg).items()}
 
 
 def check_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str | os.PathLike) -> None:

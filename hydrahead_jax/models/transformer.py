@@ -1,7 +1,7 @@
 """The decoder (Llama / Qwen2 / Qwen3 family) in Flax NNX: teacher, and skeleton of every HydraHead student.
 
     h_0 = embed(ids)
-    h_{l+½} = h_l + Attn_l(RMSNorm(h_l))          (Attn_l: softmax, or the HydraHead hybrid for students)
+    h_{l+½} = h_l + Attn_l(RMSNorm(h_l))          (Attn_l: softmax; students plug in their own attention)
     h_{l+1} = h_{l+½} + MLP_l(RMSNorm(h_{l+½}))
     logits = RMSNorm(h_L) · Wᵀ_out                 (W_out = the embedding when tied)
 
@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.models.attention import Attention
+from hydrahead_jax.models.attention import Attention, HeadProbe
+from hydrahead_jax.models.hf_layout import hf_tensors
 from hydrahead_jax.models.layers import MLP, RMSNorm, param_init
 
 AttentionFactory = Callable[[int, nnx.Rngs], nnx.Module]
@@ -34,9 +35,18 @@ class Block(nnx.Module):
             cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_dtype
         )
 
-    def __call__(self, h, positions, cache=None, cache_index=None, intermediates: dict | None = None):
+    def __call__(
+        self,
+        h,
+        positions,
+        cache=None,
+        cache_index=None,
+        intermediates: dict | None = None,
+        probe: HeadProbe | None = None,
+    ):
+        """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``."""
         attn_in = self.input_layernorm(h)
-        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index)
+        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index, probe=probe)
         if intermediates is not None:
             intermediates.setdefault("attn_inputs", []).append(attn_in)
             intermediates.setdefault("attn_outputs", []).append(attn_out)
@@ -157,28 +167,12 @@ class Transformer(nnx.Module):
 
 def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool]]:
     """HF tensor name → (our Variable, whether the HF tensor is transposed relative to ours)."""
-    cfg = model.cfg
-    table: dict[str, tuple[nnx.Variable, bool]] = {
-        "model.embed_tokens.weight": (model.embed_tokens.embedding, False),
-        "model.norm.weight": (model.norm.weight, False),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (model.lm_head.kernel, True)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[f"{p}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
-        if cfg.attention_bias:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                table[f"{p}self_attn.{name}.bias"] = (getattr(attn, name).bias, False)
-        if cfg.qk_norm:
-            table[f"{p}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
-            table[f"{p}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            table[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
-        table[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, False)
-        table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
+    table = {}
+    for name, tensor in hf_tensors(model.cfg).items():
+        node = model
+        for key in tensor.path:
+            node = node[key] if isinstance(key, int) else getattr(node, key)
+        table[name] = (node, tensor.transposed)
     return table
 
 

@@ -1,5 +1,5 @@
 """Stage 0, head selection: probe the teacher (retrieval score, causal ablation), choose FA KV groups, write the
-head map and a heatmap (DESIGN.md §3)."""
+head map and a heatmap."""
 
 from hydrahead_jax.selection.select import (
     METHODS,

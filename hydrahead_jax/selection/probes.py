@@ -1,8 +1,9 @@
 """Probes that score every (layer, KV group) of a teacher: the retrieval score and causal ablation.
 
-Both run on the teacher's own parameters through small functional forwards written here (the model code is not
-changed). The decoder's layers are stacked into one pytree so a forward is a ``lax.scan`` over layers and an
-ablation restart is a ``lax.fori_loop`` from a traced layer index: each compiles once, whatever the layer count.
+Both run the teacher's own blocks (``Block(..., probe=HeadProbe(...))``: exact softmax with its probabilities, and
+per-head outputs replaced before o_proj), on its own parameters. The decoder's layers are stacked into one pytree
+so a forward is a ``lax.scan`` over layers and an ablation restart is a ``lax.fori_loop`` from a traced layer
+index: each compiles once, whatever the layer count.
 
 **Retrieval score** (Wu et al. 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"). The
 teacher greedily decodes a needle-in-a-haystack prompt; at decode step i it emits token w_i from query position
@@ -37,25 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.models.attention import HeadProbe
+from hydrahead_jax.models.generate import generate
+
 # ------------------------------------------------------------------------------------------------------------
-# Functional view of the teacher.
-
-
-class _Ends(nnx.Module):
-    """The parts outside the layer stack: embedding, final norm, output head (shares the model's Variables)."""
-
-    def __init__(self, model):
-        self.embed_tokens = model.embed_tokens
-        self.norm = model.norm
-        self.tied = bool(model.cfg.tie_word_embeddings)
-        if not self.tied:
-            self.lm_head = model.lm_head
-
-    def logits(self, h):
-        h = self.norm(h)
-        if self.tied:
-            return self.embed_tokens.attend(h).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+# The teacher as arrays: its own blocks, run through ``Block(..., probe=HeadProbe(...))``.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +50,7 @@ class TeacherSpec:
     """The static (hashable) half of the functional teacher: graph definitions and shapes."""
 
     layer_def: Any
-    ends_def: Any
+    model_def: Any
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -76,11 +63,12 @@ class TeacherSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FunctionalTeacher:
-    """The teacher as (graphdef, state) pairs: one block graphdef with layer-stacked state [L, ...], and the ends."""
+    """The teacher as arrays: one block graphdef with layer-stacked state [L, ...] (for ``lax.scan`` and
+    ``fori_loop`` over layers) and the whole model's state (its embedding, final norm and output head)."""
 
     spec: TeacherSpec
     layers: Any  # nnx.State whose leaves are stacked over layers
-    ends: Any
+    model: Any  # nnx.State of the whole model
 
     def __getattr__(self, name):  # shapes and graphdefs read through to the spec
         if name == "spec":
@@ -99,52 +87,41 @@ def functional_teacher(model) -> FunctionalTeacher:
                 "(all layers softmax attention), not a hybrid student."
             )
     layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits])
-    ends_def, ends = nnx.split(_Ends(model))
+    model_def, model_state = nnx.split(model)
     cfg = model.cfg
-    spec = TeacherSpec(layer_def, ends_def, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    return FunctionalTeacher(spec, layers, ends)
+    spec = TeacherSpec(layer_def, model_def, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    return FunctionalTeacher(spec, layers, model_state)
 
 
 def _layer(teacher: TeacherSpec, layers_state, i):
+    """Block ``i`` (a traced index) of the stacked state."""
     state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers_state)
     return nnx.merge(teacher.layer_def, state)
 
 
-def dense_attention(q, k, v, scale):
-    """Causal GQA softmax attention that also returns the probabilities.
-
-    q [B,T,Hq,D], k/v [B,T,Hkv,D] → (out [B,T,Hq,D], probs [B,Hq,T,T]) with probs_htj = softmax_j(q_ht·k_j·scale),
-    j ≤ t. Query head h reads KV head h // (Hq/Hkv). Computed in float32.
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, hq, d), probs.reshape(b, hq, t, t)
+def _log_probs(teacher: TeacherSpec, model_state, h):
+    """log softmax of the teacher's logits for residual-stream rows h [..., d] (final norm, then output head)."""
+    model = nnx.merge(teacher.model_def, model_state)
+    return jax.nn.log_softmax(model.logits_from_hidden(model.norm(h)), axis=-1)
 
 
-def _finish_block(block, h, heads):
-    """h + o_proj(heads), then the MLP residual: the rest of the block after the per-head outputs."""
-    b, t = heads.shape[:2]
-    h = h + block.self_attn.o_proj(heads.reshape(b, t, -1).astype(h.dtype))
-    return h + block.mlp(block.post_attention_layernorm(h))
-
-
-def _answer_logprobs(teacher, ends_state, h, rows, targets):
+def _answer_logprobs(teacher, model_state, h, rows, targets):
     """log p(targets[b,i] | prefix) read at positions rows[b,i]: h [B,T,d] → (logp [B,N], argmax [B,N])."""
-    ends = nnx.merge(teacher.ends_def, ends_state)
     h_rows = jnp.take_along_axis(h, rows[..., None], axis=1)  # [B,N,d]
-    logp = jax.nn.log_softmax(ends.logits(h_rows), axis=-1)
+    logp = _log_probs(teacher, model_state, h_rows)
     target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return target_logp, jnp.argmax(logp, axis=-1).astype(jnp.int32)
 
 
+def _group_variants(teacher: TeacherSpec, batch: int) -> jax.Array:
+    """keep [Hkv·B, 1, Hq]: variant g (variant-major, B rows each) replaces the query heads of KV group g."""
+    keep = 1.0 - jnp.repeat(jnp.eye(teacher.num_kv_heads, dtype=jnp.float32), teacher.group_size, axis=1)
+    return jnp.repeat(keep, batch, axis=0)[:, None, :]
+
+
 @functools.partial(jax.jit, static_argnames=("teacher", "collect"))
 def _clean_forward(
-    teacher: TeacherSpec, layers_state, ends_state, ids, rows, targets, head_keep, head_fill, *, collect: bool
+    teacher: TeacherSpec, layers_state, model_state, ids, rows, targets, head_keep, head_fill, *, collect: bool
 ):
     """Forward over ids [B,T] with per-layer head replacement; answer log-probs and per-layer probes.
 
@@ -156,104 +133,79 @@ def _clean_forward(
     """
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    ends = nnx.merge(teacher.ends_def, ends_state)
-    h = ends.embed_tokens(ids)
+    h = nnx.merge(teacher.model_def, model_state).embed_tokens(ids)
 
     def body(h, xs):
         layer_state, keep, fill = xs
-        block = nnx.merge(teacher.layer_def, layer_state)
-        attn = block.self_attn
-        q, k, v = attn.project(block.input_layernorm(h), positions)
-        heads, probs = dense_attention(q, k, v, attn.scale)
-        heads = heads * keep[:, None] + fill * (1.0 - keep[:, None])
+        seen: dict = {}
+        h_out, _ = nnx.merge(teacher.layer_def, layer_state)(
+            h, positions, probe=HeadProbe(keep=keep, fill=fill, record=seen)
+        )
         # probs[b, h, rows[b, i], :] → argmax over keys: which position each answer step attends to most.
-        row_probs = jnp.take_along_axis(probs, rows[:, None, :, None], axis=2)  # [B,Hq,N,T]
+        row_probs = jnp.take_along_axis(seen["probs"], rows[:, None, :, None], axis=2)  # [B,Hq,N,T]
         out = {"argmax": jnp.argmax(row_probs, axis=-1).astype(jnp.int32)}
         if collect:
-            out.update(h_in=h, heads=heads, k=k, v=v)
-        return _finish_block(block, h, heads), out
+            out.update(h_in=h, heads=seen["heads"], k=seen["k"], v=seen["v"])
+        return h_out, out
 
     h, per_layer = jax.lax.scan(body, h, (layers_state, head_keep, head_fill))
-    logp, pred = _answer_logprobs(teacher, ends_state, h, rows, targets)
+    logp, pred = _answer_logprobs(teacher, model_state, h, rows, targets)
     return {"logp": logp, "pred": pred, **per_layer}
 
 
 @functools.partial(jax.jit, static_argnames=("teacher",))
-def _ablate_layer(teacher: TeacherSpec, layers_state, ends_state, layer, h_in, heads, fill, rows, targets):
+def _ablate_layer(teacher: TeacherSpec, layers_state, model_state, layer, h_in, fill, rows, targets):
     """Answer log-probs with each KV group of ``layer`` ablated in turn: [Hkv, B].
 
-    h_in [B,T,d]: clean residual stream entering ``layer``; heads [B,T,Hq,D]: its clean per-head outputs;
-    fill [Hq,D]: the replacement (zeros or the batch mean). Variant g subtracts (o_h − fill_h)·W_o[h] for the
-    heads h of group g from the clean attention output, then runs the remaining layers on all G variants at once.
+    h_in [B,T,d]: clean residual stream entering ``layer``; fill [Hq,D]: the replacement (zeros or the batch
+    mean). The G variants of the batch run as one batch of G·B rows (variant-major) from ``layer`` on.
     """
-    b, t, d = h_in.shape
+    b, t, _ = h_in.shape
     hkv = teacher.num_kv_heads
-    block = _layer(teacher, layers_state, layer)
-    h = _group_deltas(teacher, block, h_in, heads, fill)
-    h = h + block.mlp(block.post_attention_layernorm(h))
+    rep = lambda x: jnp.tile(x, (hkv,) + (1,) * (x.ndim - 1))  # noqa: E731  (variant-major batch)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (hkv * b, t))
+    ablate = HeadProbe(keep=_group_variants(teacher, b), fill=fill)
+    h, _ = _layer(teacher, layers_state, layer)(rep(h_in), positions, probe=ablate)
 
     def body(i, h):
         h, _ = _layer(teacher, layers_state, i)(h, positions)
         return h
 
     h = jax.lax.fori_loop(layer + 1, teacher.num_layers, body, h)
-    rep = lambda x: jnp.tile(x, (hkv, 1))  # noqa: E731  (variant-major batch, as h)
-    logp, _ = _answer_logprobs(teacher, ends_state, h, rep(rows), rep(targets))
+    logp, _ = _answer_logprobs(teacher, model_state, h, rep(rows), rep(targets))
     return logp.reshape(hkv, b, -1)
-
-
-def _group_deltas(teacher: TeacherSpec, block, h_in, heads, fill):
-    """Residual stream after block ``layer``'s attention with each KV group ablated: [Hkv·B, T', d] (variant-major).
-
-    h_{l+½}^{(g)} = h_l + o_proj(heads) − Σ_{h∈g} (o_h − fill_h)·W_o[h].
-    """
-    b, t, d = h_in.shape
-    hkv, gs, hd = teacher.num_kv_heads, teacher.group_size, teacher.head_dim
-    w_o = block.self_attn.o_proj.kernel[...].astype(jnp.float32).reshape(hkv, gs, hd, d)
-    diff = (heads - fill).reshape(b, t, hkv, gs, hd)
-    delta = jnp.einsum("btkgd,kgde->kbte", diff, w_o)  # [Hkv,B,T,d]: group k's contribution minus its fill
-    attn_clean = block.self_attn.o_proj(heads.reshape(b, t, -1).astype(h_in.dtype))
-    return ((h_in + attn_clean)[None] - delta.astype(h_in.dtype)).reshape(hkv * b, t, d)
 
 
 @functools.partial(jax.jit, static_argnames=("teacher",))
 def _ablate_layer_rows(
-    teacher: TeacherSpec, layers_state, ends_state, layer, h_rows, heads_rows, fill, keys, values, rows, targets
+    teacher: TeacherSpec, layers_state, model_state, layer, h_rows, fill, keys, values, rows, targets
 ):
     """As ``_ablate_layer`` but the group is ablated only at the answer-predicting rows (scope "answer").
 
-    Every other position keeps its clean residual stream, so later layers need only the rows: their queries
-    attend to the clean keys/values (``keys``/``values`` [L,B,T,Hkv,D] from the clean pass) with the rows' own
-    keys/values replaced by the recomputed ones. h_rows [B,N,d], heads_rows [B,N,Hq,D]. Returns [Hkv, B, N].
+    Every other position keeps its clean residual stream, so the layers need only the rows: their queries attend
+    to the clean keys/values (``keys``/``values`` [L,B,T,Hkv,D] from the clean pass) with the rows' own
+    keys/values written in (``HeadProbe.context``). h_rows [B,N,d]: the clean stream entering ``layer`` at the
+    rows. Returns [Hkv, B, N].
     """
     hkv = teacher.num_kv_heads
     b, n, _ = h_rows.shape
-    block = _layer(teacher, layers_state, layer)
-    h = _group_deltas(teacher, block, h_rows, heads_rows, fill)
-    h = h + block.mlp(block.post_attention_layernorm(h))
-    rep = lambda x: jnp.tile(x, (hkv,) + (1,) * (x.ndim - 1))  # noqa: E731  (variant-major batch, as h)
+    rep = lambda x: jnp.tile(x, (hkv,) + (1,) * (x.ndim - 1))  # noqa: E731  (variant-major batch)
     rows_v = rep(rows)
-    t = keys.shape[2]
-    visible = jnp.arange(t)[None, None, :] <= rows_v[:, :, None]  # [Hkv·B, N, T]
-    batch_index = jnp.arange(hkv * b)[:, None]
+
+    def context(i):
+        return rep(jax.lax.dynamic_index_in_dim(keys, i, keepdims=False)), rep(
+            jax.lax.dynamic_index_in_dim(values, i, keepdims=False)
+        )
+
+    ablate = HeadProbe(keep=_group_variants(teacher, b), fill=fill, context=context(layer))
+    h, _ = _layer(teacher, layers_state, layer)(rep(h_rows), rows_v, probe=ablate)
 
     def body(i, h):
-        blk = _layer(teacher, layers_state, i)
-        attn = blk.self_attn
-        q, k, v = attn.project(blk.input_layernorm(h), rows_v)
-        k_all = rep(jax.lax.dynamic_index_in_dim(keys, i, keepdims=False)).at[batch_index, rows_v].set(k)
-        v_all = rep(jax.lax.dynamic_index_in_dim(values, i, keepdims=False)).at[batch_index, rows_v].set(v)
-        bb, hq, hd = q.shape[0], q.shape[2], q.shape[3]
-        qg = q.astype(jnp.float32).reshape(bb, n, hkv, hq // hkv, hd)
-        scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k_all.astype(jnp.float32)) * attn.scale
-        probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
-        heads = jnp.einsum("bkgns,bskd->bnkgd", probs, v_all.astype(jnp.float32)).reshape(bb, n, hq, hd)
-        return _finish_block(blk, h, heads)
+        h, _ = _layer(teacher, layers_state, i)(h, rows_v, probe=HeadProbe(context=context(i)))
+        return h
 
     h = jax.lax.fori_loop(layer + 1, teacher.num_layers, body, h)
-    ends = nnx.merge(teacher.ends_def, ends_state)
-    logp = jax.nn.log_softmax(ends.logits(h), axis=-1)
+    logp = _log_probs(teacher, model_state, h)
     target_logp = jnp.take_along_axis(logp, rep(targets)[..., None], axis=-1)[..., 0]
     return target_logp.reshape(hkv, b, n)
 
@@ -314,7 +266,7 @@ def run_forward(
     out = _clean_forward(
         teacher.spec,
         teacher.layers,
-        teacher.ends,
+        teacher.model,
         jnp.asarray(batch.ids),
         jnp.asarray(batch.rows),
         jnp.asarray(batch.targets),
@@ -366,8 +318,6 @@ def aggregate_groups(head_scores: np.ndarray, num_kv_heads: int, how: str = "mea
 
 
 def _greedy(model, prompt_ids, max_new_tokens: int, eos_id):
-    from hydrahead_jax.models.generate import generate
-
     out = generate(model, np.asarray([prompt_ids], np.int32), max_new_tokens, eos_id=eos_id)[0].tolist()
     if eos_id is not None and eos_id in out:
         out = out[: out.index(eos_id)]
@@ -489,27 +439,18 @@ def ablation_scores(
     take_rows = lambda x: np.take_along_axis(x, batch.rows.reshape(batch.rows.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731  [B,T,...] → [B,N,...]
     keys, values = jnp.asarray(clean["k"]), jnp.asarray(clean["v"])
     for layer in range(teacher.num_layers):
-        h_in, heads, fill = clean["h_in"][layer], clean["heads"][layer], jnp.asarray(fills[layer])
+        h_in, fill = clean["h_in"][layer], jnp.asarray(fills[layer])
         if scope == "all":
             logp = _ablate_layer(
-                teacher.spec,
-                teacher.layers,
-                teacher.ends,
-                jnp.int32(layer),
-                jnp.asarray(h_in),
-                jnp.asarray(heads),
-                fill,
-                rows,
-                targets,
+                teacher.spec, teacher.layers, teacher.model, jnp.int32(layer), jnp.asarray(h_in), fill, rows, targets
             )
         else:
             logp = _ablate_layer_rows(
                 teacher.spec,
                 teacher.layers,
-                teacher.ends,
+                teacher.model,
                 jnp.int32(layer),
                 jnp.asarray(take_rows(h_in)),
-                jnp.asarray(take_rows(heads)),
                 fill,
                 keys,
                 values,

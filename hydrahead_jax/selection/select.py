@@ -9,13 +9,14 @@ Methods (scores are [layers × KV groups], higher = keep as full attention):
   random      a seeded uniform draw (the baseline)
   layerwise   whole layers FA, the layer-wise hybrid baseline (HeadMap.layerwise; allocation is ignored)
 Allocation: ``per_layer`` keeps the same number of FA groups k = f·G in every layer (f·G must be a whole number);
-``global`` keeps the top round(f·L·G) groups of the whole model (at least one).
+``global`` keeps the top round(f·L·G) groups of the whole model (``head_map.fa_group_count``, the one rule). Every
+head map records the FA-group budget it was sized to (``HeadMap.budget``); the random baseline meets HydraHead's
+budget exactly, the layer-wise one to the nearest whole layer (``HeadMap.layerwise``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -23,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from hydrahead_jax.hybrid.head_map import HeadMap, HeadMapError, parse_ratio
+from hydrahead_jax.hybrid.head_map import ALLOCATIONS, HeadMap, HeadMapError, fa_group_count, parse_ratio
 
 METHODS = ("retrieval", "ablation", "combined", "random", "layerwise")
-ALLOCATIONS = ("per_layer", "global")
 
 
 class SelectionError(ValueError):
@@ -141,29 +141,33 @@ def validate_config(sel: SelectionConfig, model_cfg) -> None:
 
 
 def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> int:
-    """FA groups per layer (per_layer) or in the model (global) for a ratio; errors when it cannot be met."""
+    """FA groups per layer (per_layer) or in the model (global) for a ratio, by ``head_map.fa_group_count``'s
+    rule; head selection also needs at least one FA group. Errors are SelectionErrors."""
     try:
         f = parse_ratio(ratio)
+        if f <= 0:
+            raise SelectionError(
+                f"ratio {ratio!r} keeps no FA group; head selection needs at least one "
+                "(an all-linear model is HeadMap.all_la)."
+            )
+        return fa_group_count(ratio, allocation, num_layers, num_groups)
     except HeadMapError as e:
         raise SelectionError(str(e)) from None
-    if f <= 0:
-        raise SelectionError(
-            f"ratio {ratio!r} keeps no FA group; head selection needs at least one "
-            "(an all-linear model is HeadMap.all_la)."
-        )
-    if allocation == "per_layer":
-        k = f * num_groups
-        if abs(k - round(k)) > 1e-6 or round(k) < 1:
-            achievable = ", ".join(f"{num_groups - j}:{j}" for j in range(1, num_groups + 1))
-            raise SelectionError(
-                f"ratio {ratio!r} (FA fraction {f:.4g}) needs {k:.3g} FA groups per layer, but each layer has "
-                f"{num_groups} KV groups; per_layer allocation can only meet LA:FA ratios {achievable}. "
-                f"Use allocation='global' (top-k over all {num_layers * num_groups} groups) instead."
-            )
-        return int(round(k))
-    if allocation == "global":
-        return max(1, int(math.floor(f * num_layers * num_groups + 0.5)))
-    raise SelectionError(f"allocation {allocation!r} is unknown; choose one of {ALLOCATIONS}.")
+
+
+def selection_budget(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> dict[str, Any]:
+    """The FA-group budget a score-based or random selection meets exactly (``HeadMap.budget``)."""
+    k = fa_count(ratio, allocation, num_layers, num_groups)
+    total = k * num_layers if allocation == "per_layer" else k
+    rule = f"{k} per layer x {num_layers} layers" if allocation == "per_layer" else f"top {k} of the whole model"
+    return {
+        "matches": "hydrahead_fa_kv_groups",
+        "ratio": str(ratio),
+        "target_fa_groups": total,
+        "fa_groups": total,
+        "exact": True,
+        "rule": f"{rule} ({allocation} allocation)",
+    }
 
 
 def rank_normalise(scores: np.ndarray) -> np.ndarray:
@@ -379,6 +383,10 @@ def run_selection(
     if "retrieval" in head_scores:
         probe_info["retrieval_head_scores"] = np.round(head_scores["retrieval"], 6).tolist()
     allocation = sel.allocation if sel.method != "layerwise" else "global"
+    if sel.method == "layerwise":
+        budget = HeadMap.layerwise(model_cfg, ratio=sel.ratio).budget
+    else:
+        budget = selection_budget(sel.ratio, sel.allocation, model_cfg.num_layers, model_cfg.num_kv_heads)
     head_map = HeadMap.from_fa_groups(
         model_cfg,
         fa_groups,
@@ -387,6 +395,7 @@ def run_selection(
         allocation=allocation,
         probe=probe_info,
         scores={k: np.round(v, 6).tolist() for k, v in scores.items()},
+        budget=budget,
     )
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
@@ -401,9 +410,10 @@ def run_selection(
                 head_scores=head_scores.get("retrieval"),
                 title=f"{model_cfg.name}: {sel.method}, {sel.ratio} {allocation}",
             )
+        exact = "" if budget["exact"] else f" (HydraHead's budget is {budget['target_fa_groups']}: {budget['rule']})"
         log(
-            f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}; "
-            f"wrote {os.path.join(out_dir, 'head_map.json')}"
+            f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}"
+            f"{exact}; wrote {os.path.join(out_dir, 'head_map.json')}"
         )
     return head_map
 

@@ -1,0 +1,181 @@
+"""The HydraHead attention block: a teacher attention layer whose KV groups are split into softmax (FA) groups and
+Gated DeltaNet (LA) groups, recombined by scale-normalised fusion before the teacher's o_proj.
+
+A *KV group* g is KV head g together with query heads g·G … g·G+G−1 (G = num_heads / num_kv_heads). The head map
+gives each layer its FA groups; every other group is LA:
+
+    q, k, v = teacher projections (+ q/k norm)                     [B,T,Hq,D], [B,T,Hkv,D]
+    o_FA = softmax attention(RoPE(q_FA), RoPE(k_FA), v_FA)          KV cache for FA groups only
+    o_LA = GatedDeltaNet(x, q_LA, k_LA, v_LA)                       constant-size state (hybrid/gdn.py)
+    o    = fusion(concat(o_FA, o_LA) in original head order)       (hybrid/fusion.py)
+    out  = o · W_o                                                  the teacher's o_proj
+
+Scale-normalised fusion (our design; the paper's formula is not public). For every head h it touches (the LA heads
+for ``la_only``, all heads of the layer for ``both``):
+
+    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε)          γ_h ∈ R (``head``) or R^D (``channel``)
+
+FA and LA heads produce outputs of very different magnitude (a softmax average of values vs a delta-rule state
+read-out); normalising each head and rescaling it to what the teacher's head produced puts them on the teacher's
+scale. γ is learnable, initialised from the teacher's measured per-head output RMS (``hybrid/fusion.py``).
+``none`` leaves outputs untouched.
+
+Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
+and, with the conv, conv_state [B, conv_size−1, C] for the LA groups.
+
+A layer whose groups are all FA is the teacher's layer unchanged (no GDN, no fusion), whatever the HybridConfig
+says; its parameters are exactly the teacher's. The block subclasses the teacher's ``Attention``, so parameter
+paths (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, plus gdn and fusion) match the teacher's and checkpoints of
+either load into the other's shared parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid.config import HybridConfig
+from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads
+from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache
+from hydrahead_jax.models.layers import rms_normalize
+
+
+def group_heads(groups: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """Query-head indices of the given KV groups, in order."""
+    return tuple(g * group_size + j for g in groups for j in range(group_size))
+
+
+def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
+    """x[:, :, heads] with static indices: a slice when they are contiguous, a gather otherwise."""
+    if heads == tuple(range(heads[0], heads[0] + len(heads))):
+        return jax.lax.slice_in_dim(x, heads[0], heads[0] + len(heads), axis=2)
+    return jnp.take(x, np.asarray(heads), axis=2)
+
+
+class ScaleFusion(nnx.Module):
+    """Per-head RMS normalisation times a learnable γ for the query heads ``heads`` (original indices, sorted)."""
+
+    def __init__(self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype):
+        self.heads = tuple(heads)
+        self.granularity = granularity
+        self.eps = eps
+        shape = (len(heads),) if granularity == "head" else (len(heads), head_dim)
+        self.gamma = nnx.Param(
+            jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
+        )
+
+    def __call__(self, o: jax.Array) -> jax.Array:
+        """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
+        gamma = self.gamma[...].astype(jnp.float32)
+        gamma = gamma[:, None] if self.granularity == "head" else gamma
+        return (rms_normalize(o, self.eps) * gamma).astype(o.dtype)
+
+
+class HydraHeadAttention(Attention):
+    """The teacher's attention with the KV groups not in ``fa_groups`` run as Gated DeltaNet heads (submodule
+    ``gdn``) and head outputs fused (submodule ``fusion``); ``fa_groups`` = every group gives the teacher's layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        fa_groups: tuple[int, ...],
+        hybrid_cfg: HybridConfig | None = None,
+        attention_impl: str = "auto",
+    ):
+        super().__init__(cfg, rngs=rngs, attention_impl=attention_impl)
+        all_groups = tuple(range(cfg.num_kv_heads))
+        self.fa_groups = tuple(sorted(int(g) for g in fa_groups))
+        bad = [g for g in self.fa_groups if not 0 <= g < cfg.num_kv_heads]
+        if bad or len(set(self.fa_groups)) != len(self.fa_groups):
+            raise ValueError(
+                f"fa_groups={tuple(fa_groups)} must be distinct KV group indices in [0, {cfg.num_kv_heads})."
+            )
+        self.la_groups = tuple(g for g in all_groups if g not in self.fa_groups)
+        if self.la_groups and hybrid_cfg is None:
+            raise ValueError(
+                f"fa_groups={self.fa_groups} leaves KV groups {self.la_groups} without softmax "
+                "attention; pass hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads."
+            )
+        # A layer without LA groups is the teacher's layer: nothing to fuse, so no hybrid machinery.
+        self.hybrid_cfg = hybrid_cfg if self.la_groups else None
+        if self.hybrid_cfg is None:
+            return
+        hc = self.hybrid_cfg
+        self.fa_heads = group_heads(self.fa_groups, cfg.group_size)
+        self.la_heads = group_heads(self.la_groups, cfg.group_size)
+        # concat(o_FA, o_LA)[..., order[h], :] is head h in the original order.
+        self.head_order = tuple(int(i) for i in np.argsort(np.asarray(self.fa_heads + self.la_heads)))
+        self.gdn = GatedDeltaNetHeads(cfg, hc, self.la_groups, rngs=rngs)
+        if hc.fusion != "none":
+            heads = self.la_heads if hc.fusion == "la_only" else tuple(range(cfg.num_heads))
+            self.fusion = ScaleFusion(
+                heads,
+                cfg.head_dim,
+                granularity=hc.fusion_granularity,
+                eps=cfg.rms_norm_eps,
+                param_dtype=cfg.jnp_param_dtype,
+            )
+        else:
+            self.fusion = None
+
+    def head_outputs(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache | None = None,
+        cache_index: jax.Array | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """All head outputs [B,T,Hq,D] in the original order, before o_proj (and the new cache)."""
+        if self.hybrid_cfg is None:
+            return super().head_outputs(x, positions, cache, cache_index, probe)
+        if probe is not None:
+            raise ValueError("head-selection probes run on the teacher, not on a HydraHead student.")
+        q, k, v = self.project_heads(x)
+        new_cache = None if cache is None else dict(cache)
+        parts = []
+        if self.fa_groups:
+            q_fa = self.rope(take_heads(q, self.fa_heads), positions)
+            k_fa = self.rope(take_heads(k, self.fa_groups), positions)
+            fa_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+            o_fa, fa_cache = self.full_attention(q_fa, k_fa, take_heads(v, self.fa_groups), fa_cache, cache_index)
+            parts.append(o_fa)
+            if cache is not None:
+                new_cache.update(fa_cache)
+        la_cache = None if cache is None else {key: cache[key] for key in ("gdn_state", "conv_state") if key in cache}
+        o_la, la_cache = self.gdn(
+            x,
+            take_heads(q, self.la_heads),
+            take_heads(k, self.la_groups),
+            take_heads(v, self.la_groups),
+            positions,
+            la_cache,
+        )
+        if cache is not None:
+            new_cache.update(la_cache)
+        if self.hybrid_cfg.fusion == "la_only":
+            o_la = self.fusion(o_la)
+        parts.append(o_la.astype(q.dtype))
+        out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+        if self.fa_groups:
+            out = take_heads(out, self.head_order)
+        if self.hybrid_cfg.fusion == "both":
+            out = self.fusion(out)
+        return out, new_cache
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> LayerCache:
+        """k, v [B, max_len, n_FA, D] for the FA groups (none when every group is LA), plus, in a layer with LA
+        groups, gdn_state [B, H_LA, D, D] fp32 and conv_state [B, conv_size−1, C]."""
+        if self.hybrid_cfg is None:
+            return super().init_cache(batch, max_len, dtype)
+        cache: LayerCache = {}
+        if self.fa_groups:
+            shape = (batch, max_len, len(self.fa_groups), self.cfg.head_dim)
+            cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        cache.update(self.gdn.init_cache(batch, dtype))
+        return cache
