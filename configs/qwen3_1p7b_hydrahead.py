@@ -33,6 +33,7 @@ def get_config(arg: str | None = None):
     c.selection.allocation = "per_layer"
     c.selection.ratio = "25%"
     c.stage1 = stage(
+        "stage1",
         tokens=B // 2,
         seq_len=512,
         batch_size=256,
@@ -45,6 +46,7 @@ def get_config(arg: str | None = None):
         loss_chunk=1024,
     )
     c.stage2 = stage(
+        "stage2",
         tokens=9 * B // 2,
         seq_len=2048,
         batch_size=256,
@@ -60,6 +62,7 @@ def get_config(arg: str | None = None):
     # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
     # bound the batch that fits (one Qwen3 HydraHead layer's fwd+bwd at 32K compiles to 13 GiB, bench/RESULTS.md).
     c.stage3 = stage(
+        "stage3",
         tokens=10 * B,
         seq_len=16384,
         batch_size=32,
