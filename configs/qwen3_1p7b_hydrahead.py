@@ -11,6 +11,16 @@ the layer-wise hybrid baselines), "random_7to1", "random_25pct" (random heads at
 Budget (tokens): stage 1 0.5B at seq 512 (align; new parameters only), stage 2 4.5B at seq 2048 (KL to the
 teacher), stage 3 10B at seq 16384 (next-token loss + 0.1·KL, 10 % synthetic retrieval rows) = 15B, in the shape
 of the HALO recipe (1e-3 → 1e-5, 1e-4 → 1e-5, 1e-5). Mesh: data over hosts, fsdp fills each host's chips.
+
+Cluster defaults, and what they need:
+  distributed=True   jax.distributed.initialize() joins every host: launch under a scheduler JAX detects (SLURM,
+                     Open MPI, Kubernetes, Cloud TPU) or set JAX_COORDINATOR_ADDRESS. On one machine pass
+                     --config.distributed=False (without a cluster the run stops with a one-line error).
+  mesh.fsdp=8        parameters and optimizer state sharded over 8 devices (one 8-GPU node / a v5e-8 host); the
+                     device count must be a multiple of 8 (mesh.data=-1 takes the rest). On a smaller machine pass
+                     --config.mesh.fsdp=<devices or fewer, dividing them>.
+  selection.preset="paper"   the longer probes (SelectionConfig.paper()) for every selection setting not set here
+                     or on the command line.
 """
 
 from configs.common import base, stage
