@@ -203,7 +203,7 @@ def test_train_py_refuses_a_too_short_probe_before_any_work(tmp_path):
 def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_path):
     from test_eval import random_model, save_hf_folder, tiny_cfg
 
-    from hydrahead_jax.data import check_tokenizer
+    from hydrahead_jax.data import CorpusError, check_tokenizer
     from hydrahead_jax.data.protocol import TokenizerModelMismatchError
     from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
     from hydrahead_jax.training.pipeline import run_pipeline
@@ -219,6 +219,14 @@ def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_
     with pytest.raises(TokenizerModelMismatchError, match="only 257 embedding rows"):
         run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before the head map, before the workdir was touched
+
+    # a matching tokenizer passes; a corpus that is not there is the next thing refused, still before any work
+    folder = save_hf_folder(random_model(tiny_cfg(tok.vocab_size), 0), tok, tmp_path / "teacher" / "full-vocab")
+    recipe["teacher"]["source"] = str(folder)
+    recipe["data"]["source"] = str(tmp_path / "no-such-corpus")
+    with pytest.raises(CorpusError, match=r"config\.data\.source: corpus source .*no-such-corpus does not exist"):
+        run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_nan_probe_scores_are_an_error_naming_the_probe():

@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
 from hydrahead_jax.hybrid import HeadMap, build_model, build_student, new_param_filter
@@ -68,7 +69,7 @@ def load_teacher(teacher_cfg: TeacherConfig):
 def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> None:
     """The checks that need the loaded teacher, before any work: its tokenizer against its vocabulary, the
     selection settings against its shape and context (and every probe prompt against its length), a given head
-    map against the model, a corpus or probe method without a tokenizer."""
+    map against the model, a corpus or probe method without a tokenizer, a corpus that is not there."""
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.vocab_size, model_name=f"the teacher {run.teacher.source!r}")
     sel = run.selection
@@ -82,6 +83,14 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
             f"data.source={run.data.source!r} is tokenised with the teacher's tokenizer, and "
             f"{run.teacher.source!r} comes without one; use data.source='copy' or a checkpoint with its tokenizer."
         )
+    if run.data.source != "copy":
+        try:
+            check_source(run.data.source)
+        except CorpusError as err:
+            raise CorpusError(
+                f"config.data.source: {err} Fix: --config.data.source=<a .txt/.jsonl/.parquet file, a folder of "
+                "them, or enwiki>."
+            ) from None
     if sel.method == "given":
         HeadMap.load(sel.head_map_path, cfg)
     elif sel.method not in ("all_fa", "all_la"):
