@@ -8,7 +8,8 @@ before any work, with the key and the fix in the message. Checks that need the t
 length, KV groups) run in the pipeline right after the teacher loads, still before selection and stage 1.
 
 The stage table ``STAGES`` is the one list of the training stages: their CLI name, config key, checkpoint
-directory, loss and default trainable parameters. train.py, the pipeline, the train step and the export read it.
+directory, loss and default trainable parameters. train.py, the pipeline, the train step and the evaluation (which
+reads an export's train_config.json by it) all use it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from hydrahead_jax.config import ConfigError, ModelConfig
+from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.selection.select import METHODS, SelectionConfig, SelectionError, validate_config
 
@@ -47,7 +48,6 @@ STAGES = (
 SELECT = "select"  # stage 0: the head map
 STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
 TRAIN_CHOICES = ("new", "all")
-TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
 PROBE_METHODS = ("retrieval", "ablation", "combined")  # need the teacher's tokenizer
 
@@ -114,9 +114,7 @@ class TeacherConfig:
 
     def __post_init__(self):
         _require(bool(self.source), "teacher", "source", self.source, "is empty", "name a checkpoint or 'random'")
-        _require(
-            self.dtype in TEACHER_DTYPES, "teacher", "dtype", self.dtype, f"choose one of {TEACHER_DTYPES}", "float32"
-        )
+        _require(self.dtype in DTYPE_NAMES, "teacher", "dtype", self.dtype, f"choose one of {DTYPE_NAMES}", "float32")
         if self.source == "random":
             _require(
                 self.model is not None,
