@@ -3,22 +3,30 @@
     python train.py --config configs/tiny.py --workdir runs/tiny
     python train.py --config configs/smollm2_hydrahead.py --workdir runs/smollm2_demo --config.stage2.steps=100
     python train.py --config configs/qwen3_1p7b_hydrahead.py:7to1 --workdir gs://.../run --until_stage distil
+    python train.py --config configs/tiny.py --workdir runs/t --config.selection.niah_lengths=256,512
 
+The recipe (with its --config.a.b=value overrides) is converted here, once, into a validated
+hydrahead_jax.run_config.RunConfig; a bad key or value is refused with the key and the fix before any work.
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
 checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new.
 """
 
-import importlib.util
+import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training recipe (a configs/*.py file).", lock_config=True)
+from hydrahead_jax.config import ConfigError
+from hydrahead_jax.run_config import STAGE_NAMES, RunConfig, section_fields
+
+# accept_new_attributes: an unknown leaf key reaches RunConfig.from_recipe, which refuses it with the valid keys.
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Training recipe (a configs/*.py file).", lock_config=False, accept_new_attributes=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, head map, final model).")
-_STAGES = ("select", "align", "distil", "long")
-_ONLY = flags.DEFINE_enum("only_stage", None, _STAGES, "Run only this stage (earlier ones must have finished).")
-_UNTIL = flags.DEFINE_enum("until_stage", None, _STAGES, "Run the stages up to and including this one.")
+_ONLY = flags.DEFINE_enum("only_stage", None, STAGE_NAMES, "Run only this stage (earlier ones must have finished).")
+_UNTIL = flags.DEFINE_enum("until_stage", None, STAGE_NAMES, "Run the stages up to and including this one.")
 _FORCE_NEW = flags.DEFINE_bool(
     "force_new",
     False,
@@ -28,74 +36,70 @@ _FORCE_NEW = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _unknown_override(argv) -> str | None:
-    """The first --config.a.b=... override whose key the recipe does not define, with the keys it does define."""
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-        path = argv[argv.index("--config") + 1]
-    if path is None:
-        return None
-    file, _, arg = path.partition(":")
-    spec = importlib.util.spec_from_file_location("_recipe", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg) if arg else module.get_config()
-    for a in argv:
-        if not a.startswith("--config."):
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _unknown_section(argv) -> str | None:
+    """The first --config.a.b=... override under a section the recipe schema does not have (ml_collections can
+    only add leaf keys), worded with the keys that section does have."""
+    for arg in argv:
+        if not arg.startswith("--config."):
             continue
-        node, keys = config, a[len("--config.") :].split("=", 1)[0].split(".")
-        for depth, key in enumerate(keys):
-            if not hasattr(node, "keys") or key not in node:
+        keys = arg[len("--config.") :].split("=", 1)[0].split(".")
+        for depth in range(len(keys) - 1):
+            valid = section_fields(tuple(keys[:depth]))
+            if valid is not None and keys[depth] not in valid:
                 where = ".".join(["config"] + keys[:depth])
-                valid = sorted(node.keys()) if hasattr(node, "keys") else []
-                return f"unknown config key {'.'.join(keys)!r} in {a!r}: {where} has no field {key!r}" + (
-                    f"; its fields are {valid}." if valid else "."
+                return (
+                    f"unknown config key {'.'.join(keys)!r} in {arg!r}: {where} has no field {keys[depth]!r}; "
+                    f"its fields are {valid}."
                 )
-            node = node[key]
     return None
 
 
 def _parse_flags(argv):
     try:
         return flags.FLAGS(argv)
-    except (AttributeError, KeyError, flags.Error) as error:
-        message = None
-        try:
-            message = _unknown_override(argv)
-        except Exception:  # noqa: BLE001 — fall back to the original error below
-            pass
-        print(f"error: {message or error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as error:
+        _fail(_unknown_section(argv) or str(error))
+
+
+def _join_cluster(jax) -> None:
+    """jax.distributed.initialize(), with a one-line error when no cluster is there to join."""
+    try:
+        jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh
+    except (ValueError, RuntimeError) as err:
+        raise ConfigError(
+            f"config.distributed=True, but no cluster to join was found ({err}). Fix: on one machine pass "
+            "--config.distributed=False; on a cluster launch under a scheduler JAX detects (SLURM, Open MPI, "
+            "Kubernetes, Cloud TPU) or set JAX_COORDINATOR_ADDRESS."
+        ) from None
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are given as --flag=value.")
-    config = _CONFIG.value
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; progress comes from the tqdm bars
-    import os
-
     import jax
 
     from hydrahead_jax.data.corpus import cache_dir
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes, reuses
-        # compiled steps instead of paying minutes of XLA compilation again.
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    if config.distributed:
-        jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh
     from hydrahead_jax.training.errors import USER_ERRORS
     from hydrahead_jax.training.pipeline import run_pipeline
 
     try:
-        run_pipeline(
-            config, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value
-        )
+        run = RunConfig.from_recipe(_CONFIG.value)  # the edge: everything below reads the typed config
+        if run.distributed:
+            _join_cluster(jax)
+        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes,
+            # reuses compiled steps instead of paying minutes of XLA compilation again.
+            jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        run_pipeline(run, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value)
     except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(str(error))
 
 
 if __name__ == "__main__":

@@ -1,96 +1,31 @@
-"""Shared skeleton of every recipe: one place that lists every config key (unknown keys are refused)."""
+"""Shared skeleton of every recipe: every config key with its default, from hydrahead_jax.run_config (the one
+place defaults live). train.py converts the finished recipe into a validated RunConfig; unknown keys are refused.
 
-from ml_collections import ConfigDict
+Selection settings start unset (None): an unset one takes the value of ``selection.preset`` ("demo", or "paper"
+for the longer probes); a value set here, in a recipe or on the command line always wins. List settings take a
+comma-separated value on the command line: ``--config.selection.niah_lengths=1024,2048``.
+"""
 
+from ml_collections import ConfigDict, config_dict
+
+from hydrahead_jax.run_config import recipe_defaults, stage_defaults
 from hydrahead_jax.selection import SelectionConfig
 
 
-def stage(
-    *,
-    steps=0,
-    tokens=0,
-    seq_len=256,
-    batch_size=8,
-    lr=1e-3,
-    warmup_steps=10,
-    end_lr_ratio=0.1,
-    weight_decay=0.0,
-    clip_norm=1.0,
-    train="all",
-    loss_chunk=512,
-    checkpoint_every=50,
-    keep_checkpoints=2,
-    synthetic_rate=0.0,
-    kl_weight=0.0,
-    ce_weight=0.0,
-    temperature=1.0,
-    remat=False,
-) -> ConfigDict:
-    """One training stage: budget (steps, or tokens when steps == 0), data shape, AdamW + warmup/cosine schedule,
-    which parameters train ('new': GDN + fusion only; 'all'), loss weights, checkpoint interval, and ``remat``:
-    recompute each student layer in the backward pass (keeps one layer's activations instead of all of them, for
-    about one more forward pass of compute)."""
-    return ConfigDict(
-        dict(
-            steps=steps,
-            tokens=tokens,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            lr=lr,
-            warmup_steps=warmup_steps,
-            end_lr_ratio=end_lr_ratio,
-            weight_decay=weight_decay,
-            clip_norm=clip_norm,
-            train=train,
-            loss_chunk=loss_chunk,
-            checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints,
-            synthetic_rate=synthetic_rate,
-            kl_weight=kl_weight,
-            ce_weight=ce_weight,
-            temperature=temperature,
-            remat=remat,
-        )
-    )
+def stage(config_key: str, **settings) -> ConfigDict:
+    """The section of stage ``config_key`` ("stage1" ...): StageConfig's defaults (and the stage table's
+    ``train``), then ``settings``. See hydrahead_jax.run_config.StageConfig for what each setting does."""
+    return ConfigDict(stage_defaults(config_key, **settings))
 
 
 def base() -> ConfigDict:
-    c = ConfigDict()
-    c.seed = 0
-    c.distributed = False  # True: jax.distributed.initialize() (multi-host GPU / TPU pods)
-    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = all remaining devices
-    # teacher.source: "random" (teacher.model gives the ModelConfig), "smollm2-135m", a .gguf, or an HF folder
-    c.teacher = ConfigDict(dict(source="random", dtype="float32", seed=0, model=ConfigDict()))
-    c.data = ConfigDict(
-        dict(
-            source="enwiki",
-            validation_fraction=0.02,
-            txt_split="file",
-            text_field="text",
-            num_threads=2,
-            prefetch=8,
-            copy_repeats=4,
-        )
-    )
-    # Stage 0: every SelectionConfig field (hydrahead_jax.selection), plus "given" + head_map_path for a map
-    # file and "all_fa" / "all_la"; preset "paper" = the longer probes.
-    c.selection = ConfigDict(dict(SelectionConfig().to_dict(), preset="demo", head_map_path=""))
-    c.hybrid = ConfigDict(
-        dict(
-            use_conv=True,
-            conv_size=4,
-            use_output_gate=True,
-            la_rope=False,
-            fusion="both",
-            fusion_granularity="head",
-            gdn_chunk_size=64,
-            gdn_implementation="auto",
-            attention_implementation="auto",
-        )
-    )
-    c.hybrid_calibration_rows = 4
-    c.stage1 = stage(train="new", lr=1e-3)
-    c.stage2 = stage(lr=1e-4)
-    c.stage3 = stage(lr=3e-5, ce_weight=1.0)
-    c.logging = ConfigDict(dict(tensorboard=True, progress=True, async_save=True))
+    defaults = recipe_defaults()
+    selection = defaults.pop("selection")
+    c = ConfigDict(defaults)
+    # -1 in mesh.data = all remaining devices. teacher.source: "random" (teacher.model gives the ModelConfig),
+    # "smollm2-135m", a .gguf, or a Hugging Face folder. Stage 0: every SelectionConfig field (typed placeholders,
+    # so each can be overridden from the command line), plus method "given" + head_map_path, "all_fa", "all_la".
+    types = {f: type(v) for f, v in SelectionConfig().to_dict().items()}
+    types = {f: tuple if t is list else t for f, t in types.items()}
+    c.selection = ConfigDict({k: config_dict.placeholder(types[k]) if v is None else v for k, v in selection.items()})
     return c

@@ -11,6 +11,16 @@ the layer-wise hybrid baselines), "random_7to1", "random_25pct" (random heads at
 Budget (tokens): stage 1 0.5B at seq 512 (align; new parameters only), stage 2 4.5B at seq 2048 (KL to the
 teacher), stage 3 10B at seq 16384 (next-token loss + 0.1·KL, 10 % synthetic retrieval rows) = 15B, in the shape
 of the HALO recipe (1e-3 → 1e-5, 1e-4 → 1e-5, 1e-5). Mesh: data over hosts, fsdp fills each host's chips.
+
+Cluster defaults, and what they need:
+  distributed=True   jax.distributed.initialize() joins every host: launch under a scheduler JAX detects (SLURM,
+                     Open MPI, Kubernetes, Cloud TPU) or set JAX_COORDINATOR_ADDRESS. On one machine pass
+                     --config.distributed=False (without a cluster the run stops with a one-line error).
+  mesh.fsdp=8        parameters and optimizer state sharded over 8 devices (one 8-GPU node / a v5e-8 host); the
+                     device count must be a multiple of 8 (mesh.data=-1 takes the rest). On a smaller machine pass
+                     --config.mesh.fsdp=<devices or fewer, dividing them>.
+  selection.preset="paper"   the longer probes (SelectionConfig.paper()) for every selection setting not set here
+                     or on the command line.
 """
 
 from configs.common import base, stage
@@ -33,6 +43,7 @@ def get_config(arg: str | None = None):
     c.selection.allocation = "per_layer"
     c.selection.ratio = "25%"
     c.stage1 = stage(
+        "stage1",
         tokens=B // 2,
         seq_len=512,
         batch_size=256,
@@ -45,6 +56,7 @@ def get_config(arg: str | None = None):
         loss_chunk=1024,
     )
     c.stage2 = stage(
+        "stage2",
         tokens=9 * B // 2,
         seq_len=2048,
         batch_size=256,
@@ -60,6 +72,7 @@ def get_config(arg: str | None = None):
     # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
     # bound the batch that fits (one Qwen3 HydraHead layer's fwd+bwd at 32K compiles to 13 GiB, bench/RESULTS.md).
     c.stage3 = stage(
+        "stage3",
         tokens=10 * B,
         seq_len=16384,
         batch_size=32,

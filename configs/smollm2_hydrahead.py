@@ -22,6 +22,7 @@ def get_config(arg: str | None = None):
     c.selection.ratio = "7:1"
     c.selection.allocation = "global"
     c.stage1 = stage(
+        "stage1",
         steps=100,
         seq_len=256,
         batch_size=4,
@@ -35,6 +36,7 @@ def get_config(arg: str | None = None):
     # remat in stages 2-3: on this CPU it more than halves the compiled step (7.0 → 3.2 GiB for stage 2) and is no
     # slower (bench/bench_train_step.py --remat both).
     c.stage2 = stage(
+        "stage2",
         steps=40,
         seq_len=512,
         batch_size=2,
@@ -47,6 +49,7 @@ def get_config(arg: str | None = None):
         remat=True,
     )
     c.stage3 = stage(
+        "stage3",
         steps=20,
         seq_len=1024,
         batch_size=1,

@@ -27,8 +27,8 @@ def get_config(arg: str | None = None):
     c.hybrid.gdn_chunk_size = 16
     c.hybrid_calibration_rows = 2
     common = dict(seq_len=32, batch_size=4, warmup_steps=2, checkpoint_every=2, loss_chunk=16)
-    c.stage1 = stage(steps=6, lr=3e-3, train="new", **common)
-    c.stage2 = stage(steps=6, lr=1e-3, **common)
-    c.stage3 = stage(steps=6, lr=1e-3, ce_weight=1.0, **dict(common, seq_len=64))
+    c.stage1 = stage("stage1", steps=6, lr=3e-3, train="new", **common)
+    c.stage2 = stage("stage2", steps=6, lr=1e-3, **common)
+    c.stage3 = stage("stage3", steps=6, lr=1e-3, ce_weight=1.0, **dict(common, seq_len=64))
     c.logging.progress = False
     return c

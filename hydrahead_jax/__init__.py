@@ -7,8 +7,8 @@ __all__ = ["ConfigError", "ModelConfig", "load_hydrahead"]
 
 
 def load_hydrahead(path, *, device=None):
-    """(model, tokenizer) from an exported HydraHead folder (``WORKDIR/final``); see training/export.py."""
+    """(model, tokenizer) from an exported HydraHead folder (``WORKDIR/final``); see hydrahead_jax/export.py."""
     # Imported here so that `import hydrahead_jax` stays light (no Orbax / grain until a model is loaded).
-    from hydrahead_jax.training.export import load_hydrahead as _load
+    from hydrahead_jax.export import load_hydrahead as _load
 
     return _load(path, device=device)

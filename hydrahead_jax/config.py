@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_NAMES = tuple(_DTYPES)
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hydrahead_jax.data.corpus import CorpusStore, prepare_corpus
 from hydrahead_jax.data.mixture import SyntheticRows
-from hydrahead_jax.data.pipeline import PackedWindows, make_dataset, make_train_iterator, pack_row
+from hydrahead_jax.data.pipeline import PackedWindows, make_dataset, make_train_iterator
+from hydrahead_jax.data.rows import pack_row
 from hydrahead_jax.data.tiny_tokenizer import TokenizersAdapter, train_bpe_tokenizer
 
 KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")

@@ -427,8 +427,8 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
 
 
 def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_training(world, tmp_path):
+    from hydrahead_jax.export import export_final
     from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_student
-    from hydrahead_jax.training.export import export_final
 
     cfg = world["cfg"]
     head_map = HeadMap.from_fa_groups(cfg, [[0], []], method="test")  # layer 0: one FA group, layer 1: all GDN
@@ -483,8 +483,8 @@ def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_t
 
 
 def test_an_export_without_a_tokenizer_is_a_clear_error(world, tmp_path):
+    from hydrahead_jax.export import export_final
     from hydrahead_jax.hybrid import HeadMap, HybridConfig
-    from hydrahead_jax.training.export import export_final
 
     graphdef, state = nnx.split(world["teacher"])
     final = export_final(

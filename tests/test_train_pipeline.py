@@ -13,6 +13,7 @@ from hydrahead_jax import load_hydrahead
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model
 from hydrahead_jax.models import Transformer
+from hydrahead_jax.run_config import RunConfig
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import ConfigMismatchError, StageCheckpointer, check_workdir_config
 from hydrahead_jax.training.data import make_stage_iterator
@@ -30,11 +31,15 @@ def _config():
     return c
 
 
+def _run(c):
+    return RunConfig.from_recipe(c)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("pipeline")
     c = _config()
-    final = run_pipeline(c, workdir)
+    final = run_pipeline(_run(c), workdir)
     return c, workdir, final
 
 
@@ -77,7 +82,14 @@ def test_stages_chain_and_log(finished_run):
     student = nnx.merge(graphdef, _final_state(workdir, "stage1_align", abstract))
     teacher = Transformer(cfg, rngs=nnx.Rngs(int(c.teacher.seed)))
     batch = next(
-        make_stage_iterator(c.data, seq_len=32, batch_size=8, seed=int(c.seed) + 2000, vocab_size=cfg.vocab_size)
+        make_stage_iterator(
+            _run(c).data,
+            seq_len=32,
+            batch_size=8,
+            seed=int(c.seed) + 2000,
+            vocab_size=cfg.vocab_size,
+            synthetic_rate=0.0,
+        )
     )
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     kl, _ = compute_loss(student, teacher, batch, LossSettings(kind="distil", ce_weight=0.0, chunk=16))
@@ -103,7 +115,7 @@ def test_export_round_trip(finished_run):
 def test_rerun_skips_finished_stages(finished_run, capsys):
     c, workdir, _ = finished_run
     before = (workdir / "metrics.jsonl").read_text()
-    run_pipeline(c, workdir)
+    run_pipeline(_run(c), workdir)
     out = capsys.readouterr().out
     assert out.count("finished earlier") == 3
     assert (workdir / "metrics.jsonl").read_text() == before  # no step ran
@@ -111,15 +123,16 @@ def test_rerun_skips_finished_stages(finished_run, capsys):
 
 def test_workdir_of_another_config_is_refused(tmp_path):
     c = _config()
-    check_workdir_config(tmp_path, c.to_dict(), force_new=False)
+    model = ModelConfig.from_dict(dict(c.teacher.model))
+    check_workdir_config(tmp_path, _run(c), model, force_new=False)
     c2 = _config()
     c2.logging.progress = True  # resume-safe fields may change
     c2.stage2.checkpoint_every = 7
-    check_workdir_config(tmp_path, c2.to_dict(), force_new=False)
+    check_workdir_config(tmp_path, _run(c2), model, force_new=False)
     c2.stage2.lr = 0.5
     with pytest.raises(ConfigMismatchError, match=r"stage2\.lr: 0\.001 -> 0\.5.*--force_new"):
-        run_pipeline(c2, tmp_path)
-    check_workdir_config(tmp_path, c2.to_dict(), force_new=True)
+        run_pipeline(_run(c2), tmp_path)
+    check_workdir_config(tmp_path, _run(c2), model, force_new=True)
     assert list(tmp_path.parent.glob(f"{tmp_path.name}.replaced-*"))
     assert json.loads((tmp_path / "run_config.json").read_text())["config"]["stage2"]["lr"] == 0.5
 
@@ -133,7 +146,7 @@ def test_head_map_of_another_model_is_refused_before_training(tmp_path):
     c.selection.method = "given"
     c.selection.head_map_path = str(tmp_path / "other.json")
     with pytest.raises(HeadMapError, match="num_layers=3 but the model has num_layers=2"):
-        run_pipeline(c, tmp_path / "run")
+        run_pipeline(_run(c), tmp_path / "run")
     assert not list((tmp_path / "run").glob("stage*"))
 
 

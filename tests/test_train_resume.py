@@ -2,6 +2,7 @@
 checkpoint, and the NaN stop — all in subprocesses on configs/tiny.py."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -118,3 +119,26 @@ def test_nan_loss_stops_the_stage_and_keeps_last_good_checkpoint(tmp_path):
     assert not (stage_dir / "DONE").exists()
     assert logged and steps and steps[-1] == max(logged) < 8  # every logged (finite) step was saved, no later one
     assert f"last good checkpoint (step {steps[-1]})" in proc.stderr
+
+
+def test_a_non_finite_step_is_never_checkpointed_although_metrics_are_read_one_step_late(tmp_path):
+    # Metrics are read back one step after dispatch; a checkpoint waits for the metrics of the step that made
+    # its state. Saves every 2 steps: whichever step first goes non-finite, no state from it or later is saved.
+    proc = run_train(
+        tmp_path,
+        "--until_stage=align",
+        "--config.stage1.lr=1e30",
+        "--config.stage1.train=all",
+        "--config.stage1.checkpoint_every=2",
+        "--config.stage1.steps=8",
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    bad_step = int(proc.stderr.split(" at step ")[1].split(";")[0])
+    logged = _losses(tmp_path)
+    stage_dir = tmp_path / "stage1_align"
+    saved = sorted(int(p.name) for p in stage_dir.iterdir() if p.name.isdigit())
+    assert sorted(logged) == list(range(1, bad_step))  # every step before the bad one was logged, in order
+    assert all(math.isfinite(v) for v in logged.values())
+    assert saved and saved[-1] < bad_step and saved[-1] == 2 * ((bad_step - 1) // 2)
+    assert f"last good checkpoint (step {saved[-1]})" in proc.stderr
+    assert not (stage_dir / "DONE").exists()

@@ -12,6 +12,7 @@ from train_helpers import tiny_config
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student
 from hydrahead_jax.models import Transformer
+from hydrahead_jax.run_config import STAGES, RunConfig
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.data import make_stage_iterator
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, run_stage
@@ -40,14 +41,16 @@ def _run(tmp_path, name, mesh):
     )
     workdir = tmp_path / name
     workdir.mkdir()
+    run = RunConfig.from_recipe(c)
     spec = StageSpec(
-        kind="distil",
-        config_key="stage2",
+        stage=STAGES[1],
+        config=run.stage2,
         directory=workdir / "stage2_distil",
-        stage_cfg=c.stage2,
         trainable=nnx.Param,
         meta={},
-        make_iterator=lambda: make_stage_iterator(c.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size),
+        make_iterator=lambda: make_stage_iterator(
+            run.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size, synthetic_rate=0.0
+        ),
     )
     final = run_stage(
         spec,
@@ -57,7 +60,7 @@ def _run(tmp_path, name, mesh):
         teacher=TeacherHandle(teacher, mesh),
         mesh=mesh,
         workdir=workdir,
-        logging_cfg=c.logging,
+        logging_cfg=run.logging,
     )
     return _losses(workdir), final
 

@@ -1,4 +1,4 @@
-"""Data: corpus token stores, grain pipelines, synthetic long-context tasks (DESIGN.md §7)."""
+"""Data: corpus token stores, grain pipelines, synthetic long-context tasks, the training row format."""
 
 from hydrahead_jax.data.corpus import (
     CorpusError,
@@ -13,8 +13,9 @@ from hydrahead_jax.data.corpus import (
     resolve_source,
 )
 from hydrahead_jax.data.mixture import SyntheticRows, mix_synthetic, synthetic_row
-from hydrahead_jax.data.pipeline import Documents, PackedWindows, make_dataset, make_train_iterator, pack_row
-from hydrahead_jax.data.protocol import TokenizerLike
+from hydrahead_jax.data.pipeline import Documents, PackedWindows, make_dataset, make_train_iterator
+from hydrahead_jax.data.protocol import TokenizerLike, check_tokenizer
+from hydrahead_jax.data.rows import CopyRows, pack_row
 from hydrahead_jax.data.synthetic import TASKS, Haystack, SyntheticExample, generate
 from hydrahead_jax.data.wiki import clean_wiki_markup
 
@@ -37,7 +38,9 @@ __all__ = [
     "make_dataset",
     "make_train_iterator",
     "pack_row",
+    "CopyRows",
     "TokenizerLike",
+    "check_tokenizer",
     "TASKS",
     "Haystack",
     "SyntheticExample",

@@ -232,6 +232,13 @@ def _expand_paths(source: str | Path | Sequence[str | Path]) -> list[Path]:
     return paths
 
 
+def check_source(source: str | Path | Sequence[str | Path]) -> None:
+    """Refuse a corpus source that does not exist or holds no readable files, without reading any text (the
+    check a run makes before any work; "enwiki" is built in)."""
+    if not (isinstance(source, str) and source == "enwiki"):
+        _expand_paths(source)
+
+
 def resolve_source(
     source: str | Path | Sequence[str | Path] = "enwiki",
     *,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from hydrahead_jax.data.pipeline import pack_row
 from hydrahead_jax.data.protocol import TokenizerLike
+from hydrahead_jax.data.rows import pack_row
 from hydrahead_jax.data.synthetic import NEEDLE_TYPES, TASKS, Haystack, SyntheticExample, generate
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "passkey", "kv_retrieval", "variable_tracking")

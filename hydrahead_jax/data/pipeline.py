@@ -31,37 +31,11 @@ import grain
 import numpy as np
 
 from hydrahead_jax.data.corpus import CorpusStore
+from hydrahead_jax.data.mixture import mix_synthetic
 from hydrahead_jax.data.protocol import TokenizerLike
+from hydrahead_jax.data.rows import pack_row
 
-FEATURES = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 _DOC_SALT, _WINDOW_SALT = 0x5EED_D0C5, 0x5EED_3140
-
-
-def pack_row(tokens: np.ndarray, doc_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Builds one training row from T+1 tokens and their document ids (-1 = padding).
-
-    Returns input_ids/targets [T] int32, loss_mask [T] float32, segment_ids [T] int32 (1-based in order
-    of appearance in the row, 0 = padding), positions [T] int32 (index within the segment).
-    """
-    tokens = np.asarray(tokens, np.int32)
-    doc_ids = np.asarray(doc_ids, np.int64)
-    inp_doc, tgt_doc = doc_ids[:-1], doc_ids[1:]
-    valid = inp_doc >= 0
-    seq_len = len(inp_doc)
-    new_segment = np.ones(seq_len, bool)
-    new_segment[1:] = inp_doc[1:] != inp_doc[:-1]
-    segment_ids = np.where(valid, np.cumsum(new_segment), 0).astype(np.int32)
-    idx = np.arange(seq_len)
-    seg_start = np.maximum.accumulate(np.where(new_segment, idx, 0))
-    positions = np.where(valid, idx - seg_start, 0).astype(np.int32)
-    loss_mask = (valid & (inp_doc == tgt_doc)).astype(np.float32)
-    return {
-        "input_ids": tokens[:-1],
-        "targets": tokens[1:],
-        "loss_mask": loss_mask,
-        "segment_ids": segment_ids,
-        "positions": positions,
-    }
 
 
 class PackedWindows(grain.MapDataset):
@@ -258,8 +232,6 @@ def make_dataset(
         store, seq_len, seed=seed, num_epochs=num_epochs, shuffle=shuffle, drop_tail=drop_tail
     )
     if synthetic_rate > 0:
-        from hydrahead_jax.data.mixture import mix_synthetic  # pylint: disable=import-outside-toplevel
-
         if tokenizer is None:
             raise ValueError("synthetic_rate > 0 needs the tokenizer (to build the synthetic prompts).")
         rows = mix_synthetic(

@@ -27,3 +27,45 @@ class TokenizerLike(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+
+class TokenizerModelMismatchError(ValueError):
+    """A tokenizer that can produce ids the model has no embedding row for, or lacks a token the pipeline needs."""
+
+
+def max_token_id(tokenizer: TokenizerLike) -> int:
+    """The largest id the tokenizer can emit: from its full vocabulary when it exposes one (a
+    `tokenizers.Tokenizer` backend; ids may be sparse), else vocab_size − 1."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "get_vocab"):
+        vocab = backend.get_vocab(with_added_tokens=True)
+        if vocab:
+            return max(int(i) for i in vocab.values())
+    return int(tokenizer.vocab_size) - 1
+
+
+def check_tokenizer(tokenizer: TokenizerLike, vocab_rows: int, *, model_name: str = "the model") -> None:
+    """Refuse a tokenizer whose ids reach past the model's ``vocab_rows`` embedding rows, or without an EOS id.
+
+    An out-of-range id does not fail loudly in JAX: the embedding gather clamps or yields NaN, and the damage
+    shows up much later (NaN probe scores, a "non-finite loss" blamed on the learning rate).
+    """
+    top = max_token_id(tokenizer)
+    if top >= vocab_rows:
+        raise TokenizerModelMismatchError(
+            f"tokenizer {tokenizer.name!r} has token ids up to {top}, but {model_name} has only {vocab_rows} "
+            f"embedding rows (ids 0..{vocab_rows - 1}). Fix: use the tokenizer that ships with the checkpoint "
+            "(the same folder or .gguf), or a checkpoint whose vocab_size covers this tokenizer."
+        )
+    if tokenizer.eos_id is None:
+        raise TokenizerModelMismatchError(
+            f"tokenizer {tokenizer.name!r} defines no EOS token; documents are packed with EOS between them. Fix: "
+            "use a tokenizer with an end-of-text token (eos_token in tokenizer_config.json)."
+        )
+    for name in ("eos_id", "bos_id"):
+        value = getattr(tokenizer, name)
+        if value is not None and not 0 <= int(value) < vocab_rows:
+            raise TokenizerModelMismatchError(
+                f"tokenizer {tokenizer.name!r}: {name}={value} is outside {model_name}'s {vocab_rows} embedding "
+                "rows. Fix: use the tokenizer that ships with the checkpoint."
+            )

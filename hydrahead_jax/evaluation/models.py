@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.run_config import STAGES
+
 
 class ModelSpecError(ValueError):
     """A --model spec that does not name a loadable model; the message says what was expected."""
@@ -82,11 +84,8 @@ def _train_length(path: Path) -> int | None:
         config = json.loads((path / "train_config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    lengths = [
-        v["seq_len"]
-        for k, v in config.items()
-        if k.startswith("stage") and isinstance(v, dict) and isinstance(v.get("seq_len"), int)
-    ]
+    sections = [config.get(s.config_key) for s in STAGES]
+    lengths = [v["seq_len"] for v in sections if isinstance(v, dict) and isinstance(v.get("seq_len"), int)]
     return max(lengths) if lengths else None
 
 
@@ -144,7 +143,7 @@ def load_model(spec: str) -> EvalModel:
             "(WORKDIR/final, with model_config.json, head_map.json and params/), a Hugging Face "
             "folder with config.json and *.safetensors, or a .gguf file."
         )
-    from hydrahead_jax.training.export import load_hydrahead
+    from hydrahead_jax.export import load_hydrahead
 
     try:
         model, tok = load_hydrahead(str(path))

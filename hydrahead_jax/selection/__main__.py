@@ -9,15 +9,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from hydrahead_jax.selection.select import ALLOCATIONS, METHODS, SelectionConfig, run_selection
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+from hydrahead_jax.data.protocol import check_tokenizer
+from hydrahead_jax.selection.select import ALLOCATIONS, METHODS, SelectionConfig, run_selection, validate_config
 
 
 def main(argv: Sequence[str] | None = None):
@@ -30,8 +23,8 @@ def main(argv: Sequence[str] | None = None):
     p.add_argument("--preset", default="demo", choices=("demo", "paper"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--niah_prompts", type=int)
-    p.add_argument("--niah_lengths", type=_ints, help="comma-separated token lengths, e.g. 256,512")
-    p.add_argument("--niah_depths", type=_floats, help="comma-separated depths in [0, 1]")
+    p.add_argument("--niah_lengths", help="comma-separated token lengths, e.g. 256,512")
+    p.add_argument("--niah_depths", help="comma-separated depths in [0, 1]")
     p.add_argument("--decode", choices=("greedy", "teacher_forced"))
     p.add_argument("--ablation_prompts", type=int)
     p.add_argument("--ablation_length", type=int)
@@ -40,11 +33,13 @@ def main(argv: Sequence[str] | None = None):
     p.add_argument("--group_aggregate", choices=("mean", "max"))
     args = vars(p.parse_args(argv))
     source, out, preset = args.pop("source"), args.pop("out"), args.pop("preset")
-    settings = {k: v for k, v in args.items() if v is not None}
-    sel = SelectionConfig.paper(**settings) if preset == "paper" else SelectionConfig(**settings)
+    sel = SelectionConfig.from_any(dict(args, preset=preset))  # unset (None) settings: the preset's values
     from hydrahead_jax.models import load_pretrained
 
     model, tokenizer = load_pretrained(source)
+    # Before any probe runs: ids within the model's vocabulary, every probe prompt fits its length.
+    check_tokenizer(tokenizer, model.cfg.vocab_size, model_name=repr(source))
+    validate_config(sel, model.cfg, tokenizer)
     return run_selection(model, tokenizer, sel, out)
 
 

@@ -78,35 +78,76 @@ class SelectionConfig:
 
     @classmethod
     def from_any(cls, cfg: Any) -> SelectionConfig:
-        """From a SelectionConfig, a dict or an ml_collections ConfigDict (``preset: "paper"`` picks the preset)."""
+        """From a SelectionConfig, a dict or an ml_collections ConfigDict of its fields.
+
+        ``preset`` ("demo" or "paper") supplies every field the mapping leaves out or sets to None, so a field
+        is taken from the preset unless it is set explicitly. List-valued fields accept a list/tuple, one value,
+        or a comma-separated string ("256,512": how they come from ``--config.selection.niah_lengths=256,512``).
+        """
         if isinstance(cfg, cls):
             return cfg
         if cfg is None:
             return cls()
         data = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        preset = data.pop("preset", "demo")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        preset = data.pop("preset", None) or "demo"
+        if preset not in PRESETS:
+            raise SelectionError(f"selection preset {preset!r} is unknown; use one of {PRESETS}.")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise SelectionError(f"unknown selection settings {unknown}; valid ones are {sorted(known)}.")
-        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        if preset == "paper":
-            return cls.paper(**data)
-        if preset != "demo":
-            raise SelectionError(f"selection preset {preset!r} is unknown; use 'demo' or 'paper'.")
-        return cls(**data)
+        explicit = {k: _coerce_setting(k, v, known[k].default) for k, v in data.items() if v is not None}
+        return cls.paper(**explicit) if preset == "paper" else cls(**explicit)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def validate_config(sel: SelectionConfig, model_cfg) -> None:
-    """Every check that can fail before a probe runs: method, ratio vs model, lengths vs context."""
+PRESETS = ("demo", "paper")
+
+
+def _coerce_setting(name: str, value: Any, default: Any) -> Any:
+    """``value`` in the type of the field's default; tuples from lists, single values or "a,b,c" strings."""
+    if isinstance(default, tuple):
+        kind = type(default[0]) if default else str
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        flat = []
+        for item in items:
+            if isinstance(item, str):
+                flat.extend(part.strip() for part in item.split(",") if part.strip())
+            else:
+                flat.append(item)
+        try:
+            return tuple(kind(x) for x in flat)
+        except (TypeError, ValueError):
+            raise SelectionError(
+                f"selection.{name}={value!r}: expected a comma-separated list of {kind.__name__} values, e.g. "
+                f"--config.selection.{name}={','.join(str(x) for x in default)}."
+            ) from None
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise SelectionError(f"selection.{name}={value!r}: expected True or False.")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SelectionError(f"selection.{name}={value!r}: expected an integer.")
+        return value
+    if isinstance(default, str) and not isinstance(value, str):
+        raise SelectionError(f"selection.{name}={value!r}: expected a string.")
+    return value
+
+
+def validate_config(sel: SelectionConfig, model_cfg=None, tokenizer=None) -> None:
+    """Every check that can fail before a probe runs: method, choices, lengths; with ``model_cfg`` the ratio
+    and the lengths against the model; with ``tokenizer`` that every probe prompt fits its length."""
     if sel.method not in METHODS:
         raise SelectionError(f"selection method {sel.method!r} is unknown; choose one of {METHODS}.")
     if sel.allocation not in ALLOCATIONS:
         raise SelectionError(f"allocation {sel.allocation!r} is unknown; choose one of {ALLOCATIONS}.")
-    fa_count(sel.ratio, sel.allocation, model_cfg.num_layers, model_cfg.num_kv_heads)
+    try:
+        parse_ratio(sel.ratio)
+    except HeadMapError as e:
+        raise SelectionError(str(e)) from None
     choices = {
         "group_aggregate": ("mean", "max"),
         "decode": ("greedy", "teacher_forced"),
@@ -116,16 +157,22 @@ def validate_config(sel: SelectionConfig, model_cfg) -> None:
     for name, allowed in choices.items():
         if getattr(sel, name) not in allowed:
             raise SelectionError(f"{name}={getattr(sel, name)!r}; choose one of {allowed}.")
+    if model_cfg is not None:
+        fa_count(sel.ratio, sel.allocation, model_cfg.num_layers, model_cfg.num_kv_heads)
     if sel.method in ("random", "layerwise"):
         return
-    limit = model_cfg.max_position_embeddings
-    longest = max(sel.niah_lengths + (sel.ablation_length,)) + sel.max_extra_tokens + 64
-    if longest > limit:
-        raise SelectionError(
-            f"probe prompts of up to {longest} tokens (longest probe length plus the answer) "
-            f"exceed the model's context of {limit} tokens (max_position_embeddings); "
-            "shorten niah_lengths / ablation_length."
-        )
+    from hydrahead_jax.data.synthetic import NEEDLE_TYPES, TASKS
+
+    if not sel.niah_lengths or not sel.niah_depths or not sel.niah_needle_types:
+        raise SelectionError("niah_lengths, niah_depths and niah_needle_types need at least one value each.")
+    unknown = [t for t in sel.niah_needle_types if t not in NEEDLE_TYPES]
+    if unknown:
+        raise SelectionError(f"niah_needle_types {unknown} are unknown; choose from {NEEDLE_TYPES}.")
+    unknown = [t for t in sel.ablation_tasks if t not in TASKS]
+    if unknown:
+        raise SelectionError(f"ablation_tasks {unknown} are unknown; choose from {sorted(TASKS)}.")
+    if any(not 0.0 <= d <= 1.0 for d in sel.niah_depths):
+        raise SelectionError(f"niah_depths {list(sel.niah_depths)} must lie in [0, 1].")
     if min(sel.niah_lengths + (sel.ablation_length,)) < 64:
         raise SelectionError("probe lengths must be at least 64 tokens (room for the instructions and a needle).")
     if sel.method in ("retrieval", "combined") and sel.niah_prompts < 1:
@@ -134,6 +181,63 @@ def validate_config(sel: SelectionConfig, model_cfg) -> None:
         sel.ablation_prompts < len(sel.ablation_tasks) or not sel.ablation_tasks
     ):
         raise SelectionError("ablation_prompts must be >= the number of ablation_tasks (one prompt per task).")
+    if sel.batch_size < 1:
+        raise SelectionError(f"batch_size={sel.batch_size} must be >= 1.")
+    if model_cfg is not None:
+        limit = model_cfg.max_position_embeddings
+        longest = max(sel.niah_lengths + (sel.ablation_length,)) + sel.max_extra_tokens + 64
+        if longest > limit:
+            raise SelectionError(
+                f"probe prompts of up to {longest} tokens (longest probe length plus the answer) "
+                f"exceed the model's context of {limit} tokens (max_position_embeddings); "
+                "shorten niah_lengths / ablation_length."
+            )
+    if tokenizer is not None:
+        _check_probe_prompts_fit(sel, tokenizer)
+
+
+# Stand-in filler for the fit check: whether a length is too short depends only on the fixed parts of a prompt
+# (instructions, needles, question), never on the haystack text.
+_FILLER = "The committee met on a Tuesday and talked about the weather for most of the afternoon."
+
+
+def _check_probe_prompts_fit(sel: SelectionConfig, tokenizer) -> None:
+    """Build every probe prompt the selection will use (same seeds, a stand-in haystack) and refuse a length
+    that cannot hold one, naming the setting: the probes themselves would fail only after loading the corpus."""
+    from hydrahead_jax.data.synthetic import Haystack
+
+    haystack = Haystack(_FILLER, tokenizer)
+    probes = []
+    if sel.method in ("retrieval", "combined"):
+        probes.append(("niah_lengths", lambda: niah_examples(tokenizer, haystack, sel)))
+    if sel.method in ("ablation", "combined"):
+        probes.append(("ablation_length", lambda: ablation_examples(tokenizer, haystack, sel)))
+    for setting, build in probes:
+        try:
+            build()
+        except ValueError as err:
+            value = ",".join(map(str, sel.niah_lengths)) if setting == "niah_lengths" else sel.ablation_length
+            raise SelectionError(
+                f"selection.{setting}={value}: {err} Fix: raise it, e.g. --config.selection.{setting}=..."
+            ) from None
+
+
+def check_probe_scores(name: str, scores: np.ndarray) -> np.ndarray:
+    """``scores`` as float64 when every entry is finite; otherwise a SelectionError naming the probe.
+
+    Call it on each probe's [layers, KV groups] matrix before scores are combined or ranked: rank normalisation
+    turns NaN into ordinary ranks, so a failed probe would otherwise come out as a plausible-looking selection.
+    """
+    scores = np.asarray(scores, np.float64)
+    bad = ~np.isfinite(scores)
+    if bad.any():
+        where = [tuple(int(i) for i in idx) for idx in np.argwhere(bad)[:4]]
+        raise SelectionError(
+            f"the {name} probe produced {int(bad.sum())} non-finite score(s) of {scores.size} (first at "
+            f"[layer, group] {where}); no head map was written. Usual causes: a tokenizer whose ids exceed the "
+            "model's vocabulary, or activations that overflow in the teacher's dtype (try teacher.dtype='float32')."
+        )
+    return scores
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Stages 1-3 of the conversion: losses, sharding, checkpoints, the stage loop, the pipeline and the export."""
+"""Stages 1-3 of the conversion: losses, the train step, sharding, checkpoints, the stage loop and the pipeline.
 
-from hydrahead_jax.training.export import export_final, load_hydrahead
-
-__all__ = ["export_final", "load_hydrahead"]
+The finished model is written and read by ``hydrahead_jax.export`` (outside this package, so loading a model
+needs no training code); the stage table and the typed config are in ``hydrahead_jax.run_config``.
+"""

@@ -26,24 +26,34 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.run_config import STAGES, RunConfig
+
 log = logging.getLogger(__name__)
 
 DONE_MARKER = "DONE"
-# Config fields that may change between a run and its resume without making it another run.
+# What may change between a run and its resume without making it another run: nothing here changes the math or
+# the data and its order. Everything else of the resolved config is in the fingerprint (the model, head map
+# settings, data content and order, budgets, optimizer, losses).
 RESUME_SAFE_KEYS = ("logging", "mesh", "distributed")
-RESUME_SAFE_STAGE_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every")
+RESUME_SAFE_SECTION_KEYS = {
+    "teacher": ("source",),  # where the checkpoint is mounted; the fingerprint holds its ModelConfig instead
+    "data": ("num_threads", "prefetch"),  # loader threads and read-ahead
+    "selection": ("head_map_path", "preset"),  # the map is copied into the workdir; the preset's values are kept
+    **{s.config_key: ("checkpoint_every", "keep_checkpoints") for s in STAGES},
+}
 
 
 class ConfigMismatchError(RuntimeError):
     """The workdir holds a run of another configuration."""
 
 
-def config_fingerprint(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(sha256 of the run-defining part of a resolved config, that part)."""
-    core = {k: v for k, v in config.items() if k not in RESUME_SAFE_KEYS}
-    for key, value in list(core.items()):
-        if key.startswith("stage") and isinstance(value, dict):
-            core[key] = {k: v for k, v in value.items() if k not in RESUME_SAFE_STAGE_KEYS}
+def config_fingerprint(run: RunConfig, teacher_model: ModelConfig) -> tuple[str, dict[str, Any]]:
+    """(sha256 of the run-defining part of the config, that part), with the teacher's resolved ModelConfig."""
+    core = {k: v for k, v in run.to_dict().items() if k not in RESUME_SAFE_KEYS}
+    for section, keys in RESUME_SAFE_SECTION_KEYS.items():
+        core[section] = {k: v for k, v in core[section].items() if k not in keys}
+    core["teacher"]["model"] = teacher_model.to_dict()
     text = json.dumps(core, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest(), core
 
@@ -58,10 +68,12 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_workdir_config(workdir: Path, config: dict[str, Any], *, force_new: bool) -> None:
-    """Refuse a workdir that holds a run of another config (unless force_new: the old run is moved aside)."""
+def check_workdir_config(workdir: Path, run: RunConfig, teacher_model: ModelConfig, *, force_new: bool) -> str:
+    """Refuse a workdir that holds a run of another config (unless force_new: the old run is moved aside).
+
+    Returns the config's fingerprint (stored in every checkpoint's meta)."""
     path = workdir / "run_config.json"
-    digest, core = config_fingerprint(config)
+    digest, core = config_fingerprint(run, teacher_model)
     if path.exists():
         old = json.loads(path.read_text())
         if old["config_hash"] != digest:
@@ -80,9 +92,10 @@ def check_workdir_config(workdir: Path, config: dict[str, Any], *, force_new: bo
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
-            {"config_hash": digest, "config_core": core, "config": config}, indent=2, sort_keys=True, default=str
+            {"config_hash": digest, "config_core": core, "config": run.to_dict()}, indent=2, sort_keys=True, default=str
         )
     )
+    return digest
 
 
 class StageCheckpointer:
@@ -131,6 +144,10 @@ class StageCheckpointer:
             meta=ocp.args.JsonSave(dict(meta, step=int(step))),
         )
         return self.manager.save(int(step), args=args, force=force)
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` would write (the interval policy), without saving."""
+        return self.manager.should_save(int(step))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

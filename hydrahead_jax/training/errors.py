@@ -2,6 +2,7 @@
 
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.data.corpus import CorpusError
+from hydrahead_jax.data.protocol import TokenizerModelMismatchError
 from hydrahead_jax.hybrid.head_map import HeadMapError
 from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.training.checkpoint import ConfigMismatchError
@@ -22,4 +23,5 @@ USER_ERRORS = (
     ShardingError,
     SelectionError,
     StageOrderError,
+    TokenizerModelMismatchError,
 )

@@ -1,64 +1,103 @@
 """The whole conversion: stage 0 (select) → 1 (align) → 2 (distil) → 3 (long) → export to ``workdir/final``.
 
-``run_pipeline(config, workdir)`` is what ``train.py`` calls. Every stage checkpoints into its own directory;
-rerunning on the same workdir skips finished stages and resumes the unfinished one exactly.
+``run_pipeline(run_config, workdir)`` is what ``train.py`` calls with the RunConfig it converted the recipe into.
+The stages are the rows of ``run_config.STAGES``. Every stage checkpoints into its own directory; rerunning on the
+same workdir skips finished stages and resumes the unfinished one exactly.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import jax
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.hybrid import HeadMap, HeadMapError, HybridConfig, build_model, build_student, new_param_filter
+from hydrahead_jax.data.corpus import CorpusError, check_source
+from hydrahead_jax.data.protocol import check_tokenizer
+from hydrahead_jax.export import export_final
+from hydrahead_jax.hybrid import HeadMap, build_model, build_student, new_param_filter
+from hydrahead_jax.run_config import (
+    PROBE_METHODS,
+    SELECT,
+    STAGE_NAMES,
+    STAGES,
+    RunConfig,
+    SelectionStageConfig,
+    Stage,
+    TeacherConfig,
+)
+from hydrahead_jax.selection import SelectionError
+from hydrahead_jax.selection.select import validate_config
 from hydrahead_jax.training import sharding as shd
-from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config, config_fingerprint
+from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config
 from hydrahead_jax.training.data import make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
-from hydrahead_jax.training.export import export_final
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
 
 log = logging.getLogger(__name__)
 
-STAGES = ("select", "align", "distil", "long")
-STAGE_KEYS = {"align": "stage1", "distil": "stage2", "long": "stage3"}
-STAGE_DIRS = {"align": "stage1_align", "distil": "stage2_distil", "long": "stage3_long"}
+TRAINABLE = {"new": new_param_filter, "all": nnx.Param}  # StageConfig.train -> nnx filter of the trained params
 
 
 def stage_range(only_stage: str | None, until_stage: str | None) -> list[str]:
     for name, value in (("--only_stage", only_stage), ("--until_stage", until_stage)):
-        if value and value not in STAGES:
-            raise ValueError(f"{name}={value!r}; choose one of {STAGES}.")
+        if value and value not in STAGE_NAMES:
+            raise ValueError(f"{name}={value!r}; choose one of {STAGE_NAMES}.")
     if only_stage and until_stage:
         raise ValueError("give --only_stage or --until_stage, not both.")
     if only_stage:
         return [only_stage]
-    return list(STAGES[: STAGES.index(until_stage) + 1]) if until_stage else list(STAGES)
+    return list(STAGE_NAMES[: STAGE_NAMES.index(until_stage) + 1]) if until_stage else list(STAGE_NAMES)
 
 
 # ------------------------------------------------------------------------------------------------ models
-def load_teacher(teacher_cfg):
+def load_teacher(teacher_cfg: TeacherConfig):
     """(teacher Transformer, tokenizer or None, ModelConfig) from config.teacher."""
     if teacher_cfg.source == "random":
         from hydrahead_jax.models import Transformer
 
-        cfg = ModelConfig.from_dict(dict(teacher_cfg.model))
-        return Transformer(cfg, rngs=nnx.Rngs(int(teacher_cfg.seed))), None, cfg
+        cfg = teacher_cfg.model
+        return Transformer(cfg, rngs=nnx.Rngs(teacher_cfg.seed)), None, cfg
     from hydrahead_jax.models import load_pretrained
 
     model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
     return model, tokenizer, model.cfg
 
 
-LOCAL_METHODS = ("given", "all_fa", "all_la")  # everything else is hydrahead_jax.selection.run_selection's
+def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> None:
+    """The checks that need the loaded teacher, before any work: its tokenizer against its vocabulary, the
+    selection settings against its shape and context (and every probe prompt against its length), a given head
+    map against the model, a corpus or probe method without a tokenizer, a corpus that is not there."""
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size, model_name=f"the teacher {run.teacher.source!r}")
+    sel = run.selection
+    if sel.method in PROBE_METHODS and tokenizer is None:
+        raise SelectionError(
+            f"selection.method={sel.method!r} probes the teacher with text prompts, and {run.teacher.source!r} "
+            "comes without a tokenizer; use 'layerwise', 'random' or 'given', or a checkpoint with its tokenizer."
+        )
+    if run.data.source != "copy" and tokenizer is None:
+        raise SelectionError(
+            f"data.source={run.data.source!r} is tokenised with the teacher's tokenizer, and "
+            f"{run.teacher.source!r} comes without one; use data.source='copy' or a checkpoint with its tokenizer."
+        )
+    if run.data.source != "copy":
+        try:
+            check_source(run.data.source)
+        except CorpusError as err:
+            raise CorpusError(
+                f"config.data.source: {err} Fix: --config.data.source=<a .txt/.jsonl/.parquet file, a folder of "
+                "them, or enwiki>."
+            ) from None
+    if sel.method == "given":
+        HeadMap.load(sel.head_map_path, cfg)
+    elif sel.method not in ("all_fa", "all_la"):
+        validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
 
 
-def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
+def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
     """Stage 0: the head map (written to workdir/head_map.json; reused when already there).
 
     ``given`` loads ``selection.head_map_path``; ``all_fa`` / ``all_la`` are the trivial maps; the probe methods
@@ -67,27 +106,16 @@ def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -
     out = workdir / "head_map.json"
     if out.exists():
         return HeadMap.load(out, cfg)
-    method = sel_cfg.method
-    if method == "given":
-        if not sel_cfg.head_map_path:
-            raise HeadMapError("selection.method='given' needs selection.head_map_path (a head map JSON file).")
-        head_map = HeadMap.load(sel_cfg.head_map_path, cfg)
-    elif method == "all_fa":
+    if sel.method == "given":
+        head_map = HeadMap.load(sel.head_map_path, cfg)
+    elif sel.method == "all_fa":
         head_map = HeadMap.all_fa(cfg)
-    elif method == "all_la":
+    elif sel.method == "all_la":
         head_map = HeadMap.all_la(cfg)
     else:
-        from hydrahead_jax.selection import METHODS, run_selection
+        from hydrahead_jax.selection import run_selection
 
-        if method not in METHODS:
-            raise HeadMapError(f"selection.method={method!r}; choose one of {LOCAL_METHODS + tuple(METHODS)}.")
-        if tokenizer is None and method in ("retrieval", "ablation", "combined"):
-            raise HeadMapError(
-                f"selection.method={method!r} probes the teacher with text prompts and needs a "
-                "tokenizer; a random teacher has none — use 'layerwise', 'random' or 'given'."
-            )
-        settings = {k: v for k, v in sel_cfg.to_dict().items() if k != "head_map_path"}
-        head_map = run_selection(teacher, tokenizer, settings, workdir / "selection")
+        head_map = run_selection(teacher, tokenizer, sel.settings, workdir / "selection")
     head_map.validate(cfg)
     head_map.save(out)
     print(
@@ -100,81 +128,76 @@ def select_heads(sel_cfg, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -
 
 # ------------------------------------------------------------------------------------------------ pipeline
 def run_pipeline(
-    config,
+    run: RunConfig,
     workdir: str | Path,
     *,
     only_stage: str | None = None,
     until_stage: str | None = None,
     force_new: bool = False,
 ) -> Path | None:
-    """Run the requested stages; returns workdir/final when the last stage finished (and was exported)."""
+    """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
+
+    Every check runs before any work: the RunConfig validated itself at the edge; here the mesh against the
+    devices, then (once the teacher is loaded) the tokenizer, selection settings and head map against it, and
+    the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
-    resolved = config.to_dict()
-    check_workdir_config(workdir, resolved, force_new=force_new)
-    digest, _ = config_fingerprint(resolved)
-    hybrid_cfg = HybridConfig.from_dict(dict(config.hybrid))
-    mesh = shd.make_mesh(**dict(config.mesh))
+    run.mesh.check_devices(jax.device_count())
+    mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
     print(
         f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True
     )
+    teacher, tokenizer, cfg = load_teacher(run.teacher)
+    validate_against_teacher(run, cfg, tokenizer)
+    digest = check_workdir_config(workdir, run, cfg, force_new=force_new)
+    resolved = run.to_dict()
 
-    teacher, tokenizer, cfg = load_teacher(config.teacher)
-    # Validate a given head map against the model before any work (clear error, nothing trained).
-    if config.selection.method == "given" and config.selection.head_map_path:
-        HeadMap.load(config.selection.head_map_path, cfg)
-    head_map = select_heads(config.selection, teacher, tokenizer, cfg, workdir)
-    if stages == ["select"]:
+    head_map = select_heads(run.selection, teacher, tokenizer, cfg, workdir)
+    if stages == [SELECT]:
         return None
-    store = None if config.data.source == "copy" else prepare_store(config.data, tokenizer)
+    store = None if run.data.source == "copy" else prepare_store(run.data, tokenizer)
     teacher_handle = TeacherHandle(teacher, mesh)
     nnx.update(teacher, teacher_handle.state)  # the module and the handle share the placed arrays: one copy
 
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid_cfg, nnx.Rngs(int(config.seed))))
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(run.seed)))
     student_graphdef, abstract_student = nnx.split(abstract_model)
 
-    def iterator_factory(key: str, seed: int, batch_size: int | None = None):
-        scfg = config[key]
+    def iterator_factory(stage: Stage, seed: int, batch_size: int | None = None):
+        scfg = run.stage(stage)
         return lambda: make_stage_iterator(
-            config.data,
-            seq_len=int(scfg.seq_len),
-            batch_size=int(batch_size or scfg.batch_size),
+            run.data,
+            seq_len=scfg.seq_len,
+            batch_size=batch_size or scfg.batch_size,
             seed=seed,
             vocab_size=cfg.vocab_size,
-            synthetic_rate=float(scfg.get("synthetic_rate", 0.0)),
+            synthetic_rate=scfg.synthetic_rate,
             tokenizer=tokenizer,
             store_path=store,
         )
 
-    def initial_stage1():
-        calib = iterator_factory("stage1", int(config.seed) + 7919, int(config.hybrid_calibration_rows))()
+    def initial_first_stage():
+        calib = iterator_factory(STAGES[0], run.seed + 7919, run.hybrid_calibration_rows)()
         ids = jax.numpy.asarray(next(calib)["input_ids"])
         # build_student copies the teacher's arrays, so the student's state can be donated to the jitted step.
-        student = build_student(teacher, head_map, hybrid_cfg, rngs=nnx.Rngs(int(config.seed)), calibration_ids=ids)
+        student = build_student(teacher, head_map, run.hybrid, rngs=nnx.Rngs(run.seed), calibration_ids=ids)
         return nnx.as_pure(nnx.state(student))
 
     previous = None
-    for index, kind in enumerate(("align", "distil", "long")):
-        key = STAGE_KEYS[kind]
-        directory = workdir / STAGE_DIRS[kind]
-        if kind not in stages:
+    for index, stage in enumerate(STAGES):
+        if stage.name not in stages:
             continue
-        if previous is None and kind != "align":
-            previous = _final_of_previous(workdir, kind, abstract_student, mesh)
-        scfg = config[key]
-        trainable = new_param_filter if scfg.train == "new" else nnx.Param
-        if scfg.train not in ("new", "all"):
-            raise ValueError(f"config.{key}.train={scfg.train!r}; choose 'new' (GDN + fusion) or 'all'.")
+        if previous is None and index > 0:
+            previous = _final_of_previous(workdir, index, abstract_student, mesh)
+        scfg = run.stage(stage)
         spec = StageSpec(
-            kind=kind,
-            config_key=key,
-            directory=directory,
-            stage_cfg=scfg,
-            trainable=trainable,
-            make_iterator=iterator_factory(key, int(config.seed) + 1000 * (index + 1)),
-            meta={"stage": kind, "config_hash": digest, "config": resolved},
+            stage=stage,
+            config=scfg,
+            directory=workdir / stage.directory,
+            trainable=TRAINABLE[scfg.train],
+            make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
+            meta={"stage": stage.name, "config_hash": digest, "config": resolved},
         )
-        init = initial_stage1 if kind == "align" else (lambda prev=previous: prev)
+        init = initial_first_stage if index == 0 else (lambda prev=previous: prev)
         previous = run_stage(
             spec,
             student_graphdef=student_graphdef,
@@ -183,17 +206,17 @@ def run_pipeline(
             teacher=teacher_handle,
             mesh=mesh,
             workdir=workdir,
-            logging_cfg=config.logging,
+            logging_cfg=run.logging,
         )
-    if "long" in stages:
+    if STAGES[-1].name in stages:
         final = export_final(
             workdir / "final",
             student_graphdef,
             previous,
             cfg,
             head_map,
-            hybrid_cfg,
-            teacher_source=config.teacher.source,
+            run.hybrid,
+            teacher_source=run.teacher.source,
             resolved_config=resolved,
         )
         print(f"exported the HydraHead model to {final}", flush=True)
@@ -201,28 +224,23 @@ def run_pipeline(
     return None
 
 
-def _final_of_previous(workdir: Path, kind: str, abstract_student, mesh):
-    """Final full state of the stage before ``kind`` (which must have finished)."""
-    order = ("align", "distil", "long")
-    prev = order[order.index(kind) - 1]
-    ckpt = StageCheckpointer(workdir / STAGE_DIRS[prev], save_every=1)
+def _final_of_previous(workdir: Path, index: int, abstract_student, mesh):
+    """Final full state of the stage before STAGES[index] (which must have finished)."""
+    stage, prev = STAGES[index], STAGES[index - 1]
+    ckpt = StageCheckpointer(workdir / prev.directory, save_every=1)
     try:
         if not ckpt.done:
             raise StageOrderError(
-                f"stage {kind!r} starts from the final checkpoint of stage {prev!r}, which has not "
-                f"finished in {workdir}; run it first (e.g. --until_stage {prev})."
+                f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
+                f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
             )
         target = abstract_with_shardings(nnx.as_pure(abstract_student), shd.state_shardings(abstract_student, mesh))
         state = ckpt.restore_model(target)
         if state is None:
             raise StageOrderError(
-                f"the final checkpoint of stage {prev!r} in {workdir} does not restore; rerun that "
-                f"stage (--only_stage {prev}) to resume it from its last good step."
+                f"the final checkpoint of stage {prev.name!r} in {workdir} does not restore; rerun that "
+                f"stage (--only_stage {prev.name}) to resume it from its last good step."
             )
         return state
     finally:
         ckpt.close()
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())

@@ -19,14 +19,16 @@ import optax
 from flax import nnx
 
 from hydrahead_jax.models.transformer import remat_call
+from hydrahead_jax.run_config import STAGES
 from hydrahead_jax.training import losses
 
-STAGE_KINDS = ("align", "distil", "long")
+STAGE_KINDS = tuple(s.loss for s in STAGES)  # the losses compute_loss knows, one per row of the stage table
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-    """Per-stage loss options (from the stage config)."""
+    """Per-stage loss options; the trainer fills every field from the stage's StageConfig (where the defaults
+    of a run live; the defaults here serve direct callers: tests and benchmarks)."""
 
     kind: str  # align | distil | long
     kl_weight: float = 0.0  # stage 3: + w · KL(teacher ‖ student)

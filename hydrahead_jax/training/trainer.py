@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.run_config import LoggingConfig, Stage, StageConfig
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer
 from hydrahead_jax.training.metrics import StageLogger, check_finite
@@ -27,25 +27,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StageSpec:
-    """Everything one stage needs, resolved from the config by the pipeline."""
+    """Everything one stage needs, resolved from the RunConfig by the pipeline."""
 
-    kind: str  # align | distil | long
-    config_key: str  # stage1 | stage2 | stage3
+    stage: Stage  # its row of the stage table
+    config: StageConfig
     directory: Path
-    stage_cfg: Any  # the ConfigDict of this stage
     trainable: Any  # nnx filter of the trained parameters
     make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
-
-
-def total_steps(stage_cfg) -> int:
-    """``steps`` when > 0, else ⌈tokens / (batch · seq_len)⌉."""
-    if int(stage_cfg.steps) > 0:
-        return int(stage_cfg.steps)
-    tokens = int(stage_cfg.tokens)
-    if tokens <= 0:
-        raise ValueError("a stage needs steps > 0 or tokens > 0 (config.stageN.steps / .tokens).")
-    return max(1, math.ceil(tokens / (int(stage_cfg.batch_size) * int(stage_cfg.seq_len))))
 
 
 def abstract_with_shardings(abstract_pure, shardings):
@@ -71,17 +60,17 @@ def run_stage(
     teacher: TeacherHandle | None,
     mesh,
     workdir: Path,
-    logging_cfg,
+    logging_cfg: LoggingConfig,
 ) -> Any:
     """Train (or resume, or skip when finished) one stage; returns the student's final full pure state."""
-    scfg = spec.stage_cfg
+    scfg = spec.config
     full_shardings = shd.state_shardings(abstract_student, mesh)
     abs_full = abstract_with_shardings(nnx.as_pure(abstract_student), full_shardings)
     ckpt = StageCheckpointer(
         spec.directory,
-        save_every=int(scfg.checkpoint_every),
-        keep=int(scfg.keep_checkpoints),
-        async_save=bool(logging_cfg.get("async_save", True)),
+        save_every=scfg.checkpoint_every,
+        keep=scfg.keep_checkpoints,
+        async_save=logging_cfg.async_save,
     )
     try:
         if ckpt.done:
@@ -126,34 +115,31 @@ def _train(
     workdir,
     logging_cfg,
 ):
-    scfg = spec.stage_cfg
-    steps = total_steps(scfg)
+    scfg, key = spec.config, spec.stage.config_key
+    steps = scfg.total_steps
     settings = LossSettings(
-        kind=spec.kind,
-        kl_weight=float(scfg.get("kl_weight", 0.0)),
-        ce_weight=float(scfg.get("ce_weight", 1.0 if spec.kind == "long" else 0.0)),
-        temperature=float(scfg.get("temperature", 1.0)),
-        chunk=int(scfg.loss_chunk),
-        remat=bool(scfg.get("remat", False)),
+        kind=spec.stage.loss,
+        kl_weight=scfg.kl_weight,
+        ce_weight=scfg.ce_weight,
+        temperature=scfg.temperature,
+        chunk=scfg.loss_chunk,
+        remat=scfg.remat,
     )
     if settings.needs_teacher and teacher is None:
-        raise ValueError(f"stage {spec.config_key} ({spec.kind}) needs the teacher.")
+        raise ValueError(f"stage {key} ({spec.stage.name}) needs the teacher.")
     tx, schedule = make_optimizer(
-        lr=float(scfg.lr),
-        warmup_steps=int(scfg.warmup_steps),
+        lr=scfg.lr,
+        warmup_steps=scfg.warmup_steps,
         total_steps=steps,
-        end_lr_ratio=float(scfg.end_lr_ratio),
-        weight_decay=float(scfg.weight_decay),
-        clip_norm=float(scfg.clip_norm),
+        end_lr_ratio=scfg.end_lr_ratio,
+        weight_decay=scfg.weight_decay,
+        clip_norm=scfg.clip_norm,
     )
 
     # Structure and shardings of the trained / frozen halves and of the optimizer state.
     gd, abs_params, abs_frozen = nnx.split(nnx.merge(student_graphdef, abstract_student), spec.trainable, ...)
     if not jax.tree.leaves(abs_params):
-        raise ValueError(
-            f"stage {spec.config_key}: the 'train' filter selects no parameters "
-            f"(config.{spec.config_key}.train={scfg.train!r})."
-        )
+        raise ValueError(f"stage {key}: the 'train' filter selects no parameters (config.{key}.train={scfg.train!r}).")
     p_sh, f_sh = shd.state_shardings(abs_params, mesh), shd.state_shardings(abs_frozen, mesh)
     pure_params = nnx.as_pure(abs_params)
     o_sh = shd.optimizer_shardings(tx, pure_params, p_sh, mesh)
@@ -196,27 +182,43 @@ def _train(
         donate_argnums=(0,),
     )
 
-    tokens_per_step = int(scfg.batch_size) * int(scfg.seq_len)
     logger = StageLogger(
         workdir,
         spec.directory.name,
         total_steps=steps,
         start_step=start,
-        tokens_per_step=tokens_per_step,
-        tensorboard=bool(logging_cfg.tensorboard),
-        progress=bool(logging_cfg.progress),
+        tokens_per_step=scfg.tokens_per_step,
+        tensorboard=logging_cfg.tensorboard,
+        progress=logging_cfg.progress,
     )
     last_good = ckpt.steps()[-1] if ckpt.steps() else None
+
+    def report(step: int, device_metrics) -> dict[str, float]:
+        """Read back one step's metrics (waits for that step only), stop on a non-finite value, log them."""
+        metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+        check_finite(step, key, metrics, last_good, ckpt.directory)
+        logger.log(step, metrics)
+        return metrics
+
+    # The host runs one step ahead of its read-backs: step n is dispatched, then step n-1's metrics are read
+    # (computed by then, so reading them does not leave the device idle). A checkpoint is the exception: its
+    # state is saved only after the metrics of the step that produced it were read and found finite, so a
+    # non-finite loss stops the stage before that state is written.
+    pending = None  # (step, its metrics still on the device)
+    metrics: dict[str, float] = {}
     try:
         for step in range(start, steps):
             batch = shd.put_batch(next(iterator), batch_sh)
-            state, metrics = jstep(state, teacher_state, batch)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            state, device_metrics = jstep(state, teacher_state, batch)
             done = step + 1
-            check_finite(done, spec.config_key, metrics, last_good, ckpt.directory)
-            logger.log(done, metrics)
-            if ckpt.save(done, _full_state(gd, state), state["opt_state"], iterator, spec.meta, force=done == steps):
-                last_good = done
+            if pending is not None:
+                metrics = report(*pending)
+            pending = (done, device_metrics)
+            if done == steps or ckpt.should_save(done):
+                metrics, pending = report(*pending), None
+                full = _full_state(gd, state)
+                if ckpt.save(done, full, state["opt_state"], iterator, spec.meta, force=done == steps):
+                    last_good = done
     finally:
         logger.close()
         ckpt.wait()  # the last good checkpoint is complete on disk before we leave, error or not

@@ -5,9 +5,11 @@
     final/model_config.json    ModelConfig of the teacher skeleton
     final/hybrid_config.json   HybridConfig
     final/tokenizer.json       {"source": teacher source or null}: where load_tokenizer finds the tokenizer
-    final/train_config.json    the resolved training config (provenance)
+    final/train_config.json    the resolved training config (RunConfig.to_dict(): provenance, and where the
+                               evaluation reads the training length and the corpus's validation split)
 
-The folder is written under a temporary name and renamed into place, so it is complete or absent.
+The folder is written under a temporary name and renamed into place, so it is complete or absent. This module
+lives outside ``training/`` so that loading a model (evaluation, serving) needs no training code.
 """
 
 from __future__ import annotations

@@ -1,0 +1,534 @@
+"""The typed run configuration and the table of stages.
+
+A recipe (``configs/*.py``: an ml_collections ConfigDict, with ``--config.a.b=value`` overrides) is converted
+ONCE, at the edge (``train.py``), by ``RunConfig.from_recipe`` into the frozen dataclasses below. Everything below
+the edge reads typed fields; every default lives here (the recipes' skeleton, ``recipe_defaults()``, is built from
+these classes), and every check that needs no model runs during the conversion, so a bad key or value is refused
+before any work, with the key and the fix in the message. Checks that need the teacher (its vocabulary, context
+length, KV groups) run in the pipeline right after the teacher loads, still before selection and stage 1.
+
+The stage table ``STAGES`` is the one list of the training stages: their CLI name, config key, checkpoint
+directory, loss and default trainable parameters. train.py, the pipeline, the train step and the evaluation (which
+reads an export's train_config.json by it) all use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig
+from hydrahead_jax.hybrid.config import HybridConfig
+from hydrahead_jax.selection.select import METHODS, SelectionConfig, SelectionError, validate_config
+
+# ------------------------------------------------------------------------------------------------ stage table
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One training stage. ``loss`` names the objective ``training.steps.compute_loss`` computes;
+    ``default_train`` the parameters it trains unless ``config.<key>.train`` says otherwise
+    ('new': the GDN heads and fusion scales only; 'all': every student parameter)."""
+
+    name: str  # --only_stage / --until_stage
+    config_key: str  # the recipe's section
+    directory: str  # under the workdir
+    loss: str
+    default_train: str
+
+
+STAGES = (
+    Stage("align", "stage1", "stage1_align", loss="align", default_train="new"),
+    Stage("distil", "stage2", "stage2_distil", loss="distil", default_train="all"),
+    Stage("long", "stage3", "stage3_long", loss="long", default_train="all"),
+)
+SELECT = "select"  # stage 0: the head map
+STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
+TRAIN_CHOICES = ("new", "all")
+LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
+PROBE_METHODS = ("retrieval", "ablation", "combined")  # need the teacher's tokenizer
+
+
+def stage_by_key(config_key: str) -> Stage:
+    return next(s for s in STAGES if s.config_key == config_key)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+
+class _FieldError(ConfigError):
+    """A bad value of one field; ``from_recipe`` re-words it with the full key (config.stage2.lr)."""
+
+    def __init__(self, section: str, field: str, value: Any, rule: str, fix: str):
+        self.field, self.value, self.rule, self.fix = field, value, rule, fix
+        super().__init__(f"{section}.{field}={value!r}: {rule}. Fix: {fix}.")
+
+
+def _require(ok: bool, section: str, field: str, value: Any, rule: str, fix: str) -> None:
+    if not ok:
+        raise _FieldError(section, field, value, rule, fix)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes (data, fsdp, tensor); one of them may be -1: every device the others leave."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            value = getattr(self, name)
+            _require(value == -1 or value >= 1, "mesh", name, value, "must be -1 (fill) or >= 1", "1")
+        _require(self.sizes.count(-1) <= 1, "mesh", "data", self.data, "only one mesh axis may be -1 (fill)", "-1")
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def check_devices(self, num_devices: int) -> None:
+        """Refuse, in one line, a mesh this machine cannot build (before the teacher is loaded)."""
+        fixed = math.prod(s for s in self.sizes if s != -1)
+        fill = -1 in self.sizes
+        if (num_devices % fixed) if fill else (num_devices != fixed):
+            shape = f"data={self.data} x fsdp={self.fsdp} x tensor={self.tensor}"
+            raise ConfigError(
+                f"config.mesh ({shape}) needs {'a multiple of ' if fill else ''}{fixed} devices, but "
+                f"{num_devices} are visible. Fix: on this machine pass --config.mesh.fsdp=1 --config.mesh.tensor=1 "
+                "(or sizes whose product divides the device count); the recipe's mesh is meant for its cluster."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """``source``: "random" (``model`` gives the shapes), "smollm2-135m", a .gguf file or a Hugging Face folder."""
+
+    source: str = "random"
+    dtype: str = "float32"
+    seed: int = 0
+    model: ModelConfig | None = None  # only for source="random"
+
+    def __post_init__(self):
+        _require(bool(self.source), "teacher", "source", self.source, "is empty", "name a checkpoint or 'random'")
+        _require(self.dtype in DTYPE_NAMES, "teacher", "dtype", self.dtype, f"choose one of {DTYPE_NAMES}", "float32")
+        if self.source == "random":
+            _require(
+                self.model is not None,
+                "teacher",
+                "model",
+                None,
+                "a random teacher needs its shapes",
+                "set teacher.model.{vocab_size,hidden_size,...} as configs/tiny.py does",
+            )
+        else:
+            _require(
+                self.model is None,
+                "teacher",
+                "model",
+                "<set>",
+                f"the shapes of {self.source!r} come from the checkpoint",
+                "leave teacher.model empty (it is only for source='random')",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``source``: "copy" (seeded copy rows, no tokenizer), "enwiki", or .txt/.jsonl/.parquet files or a folder."""
+
+    source: str = "enwiki"
+    validation_fraction: float = 0.02
+    txt_split: str = "file"  # .txt files: "file" = one document per file, "paragraphs" = one per paragraph
+    text_field: str = "text"  # .jsonl / .parquet column
+    num_threads: int = 2  # grain reader threads (does not change the data or its order)
+    prefetch: int = 8  # batches read ahead (does not change the data or its order)
+    copy_repeats: int = 4  # "copy" source: repeats of each row's random block
+
+    def __post_init__(self):
+        _require(bool(self.source), "data", "source", self.source, "is empty", "use 'enwiki' or a corpus path")
+        _require(
+            0.0 <= self.validation_fraction < 1.0,
+            "data",
+            "validation_fraction",
+            self.validation_fraction,
+            "must be in [0, 1)",
+            "0.02",
+        )
+        _require(
+            self.txt_split in ("file", "paragraphs"),
+            "data",
+            "txt_split",
+            self.txt_split,
+            "choose file or paragraphs",
+            "file",
+        )
+        _require(self.num_threads >= 1, "data", "num_threads", self.num_threads, "must be >= 1", "2")
+        _require(self.prefetch >= 1, "data", "prefetch", self.prefetch, "must be >= 1", "8")
+        _require(self.copy_repeats >= 1, "data", "copy_repeats", self.copy_repeats, "must be >= 1", "4")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """One training stage: budget (``steps``, or ``tokens`` when steps == 0), data shape, AdamW with a linear
+    warmup and a cosine decay to lr·end_lr_ratio, the parameters it trains (``train``, see ``Stage``), loss
+    weights, checkpoint interval, and ``remat``: recompute each student layer in the backward pass (keeps one
+    layer's activations instead of all of them, for about one more forward pass of compute)."""
+
+    train: str  # no default here: the stage table's default_train (configs/common.py fills it in)
+    steps: int = 0
+    tokens: int = 0
+    seq_len: int = 256
+    batch_size: int = 8  # global rows per step
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # 0 = no clipping
+    loss_chunk: int = 512  # tokens per chunk of the logits losses
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    synthetic_rate: float = 0.0  # fraction of synthetic retrieval rows (corpus sources only)
+    kl_weight: float = 0.0  # long stage: + kl_weight · KL(teacher ‖ student)
+    ce_weight: float = 0.0  # next-token cross-entropy weight (the long stage needs it or kl_weight > 0)
+    temperature: float = 1.0  # of the KL
+    remat: bool = False
+
+    def __post_init__(self):
+        s = "stage"
+        _require(self.train in TRAIN_CHOICES, s, "train", self.train, f"choose one of {TRAIN_CHOICES}", "all")
+        _require(self.steps >= 0, s, "steps", self.steps, "must be >= 0", "a step count, or 0 to use tokens")
+        _require(self.tokens >= 0, s, "tokens", self.tokens, "must be >= 0", "a token budget, or 0 to use steps")
+        _require(
+            self.steps > 0 or self.tokens > 0, s, "steps", self.steps, "a stage needs steps > 0 or tokens > 0", "100"
+        )
+        for name in ("seq_len", "batch_size", "loss_chunk", "checkpoint_every", "keep_checkpoints"):
+            _require(getattr(self, name) >= 1, s, name, getattr(self, name), "must be >= 1", "a positive integer")
+        _require(self.lr > 0, s, "lr", self.lr, "must be > 0", "1e-4")
+        _require(self.warmup_steps >= 0, s, "warmup_steps", self.warmup_steps, "must be >= 0", "10")
+        _require(0 <= self.end_lr_ratio <= 1, s, "end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]", "0.1")
+        for name in ("weight_decay", "clip_norm", "kl_weight", "ce_weight"):
+            _require(getattr(self, name) >= 0, s, name, getattr(self, name), "must be >= 0", "0")
+        _require(0 <= self.synthetic_rate < 1, s, "synthetic_rate", self.synthetic_rate, "must be in [0, 1)", "0.1")
+        _require(self.temperature > 0, s, "temperature", self.temperature, "must be > 0", "1.0")
+
+    @property
+    def total_steps(self) -> int:
+        """``steps`` when > 0, else ⌈tokens / (batch_size · seq_len)⌉."""
+        if self.steps > 0:
+            return self.steps
+        return max(1, -(-self.tokens // (self.batch_size * self.seq_len)))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: bool = True  # tqdm bar with throughput and ETA
+    async_save: bool = True  # Orbax saves in the background (waited for at the end of a stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionStageConfig:
+    """Stage 0. ``settings.method`` is a probe method or baseline (hydrahead_jax.selection) or one of
+    ``LOCAL_SELECTION_METHODS`` ("given": ``head_map_path``; "all_fa" / "all_la"). ``preset`` supplied the
+    settings the recipe left unset (``SelectionConfig.from_any``)."""
+
+    settings: SelectionConfig
+    preset: str = "demo"
+    head_map_path: str = ""
+
+    @property
+    def method(self) -> str:
+        return self.settings.method
+
+    def __post_init__(self):
+        method = self.settings.method
+        if method in LOCAL_SELECTION_METHODS:
+            _require(
+                method != "given" or bool(self.head_map_path),
+                "selection",
+                "head_map_path",
+                self.head_map_path,
+                "method='given' needs a head map file",
+                "--config.selection.head_map_path=/path/to/head_map.json",
+            )
+        else:
+            _require(
+                method in METHODS,
+                "selection",
+                "method",
+                method,
+                f"choose one of {LOCAL_SELECTION_METHODS + METHODS}",
+                "combined",
+            )
+            validate_config(self.settings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.settings.to_dict(), preset=self.preset, head_map_path=self.head_map_path)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The whole run, typed and validated (see the module doc)."""
+
+    teacher: TeacherConfig
+    data: DataConfig
+    selection: SelectionStageConfig
+    hybrid: HybridConfig
+    stage1: StageConfig
+    stage2: StageConfig
+    stage3: StageConfig
+    mesh: MeshConfig
+    logging: LoggingConfig
+    seed: int = 0
+    distributed: bool = False  # jax.distributed.initialize(): multi-host GPU / TPU pods
+    hybrid_calibration_rows: int = 4  # stage-1 rows that calibrate the fusion scales
+
+    def __post_init__(self):
+        _require(
+            self.hybrid_calibration_rows >= 1,
+            "config",
+            "hybrid_calibration_rows",
+            self.hybrid_calibration_rows,
+            "must be >= 1",
+            "4",
+        )
+        random_teacher = self.teacher.source == "random"
+        if random_teacher and self.data.source != "copy":
+            raise ConfigError(
+                f"config.data.source={self.data.source!r} is tokenised with the teacher's tokenizer, and a random "
+                "teacher has none. Fix: --config.data.source=copy, or a pretrained teacher.source."
+            )
+        if random_teacher and self.selection.method in PROBE_METHODS:
+            raise ConfigError(
+                f"config.selection.method={self.selection.method!r} probes the teacher with text prompts and needs "
+                "its tokenizer; a random teacher has none. Fix: --config.selection.method=layerwise (or random, "
+                "given, all_fa, all_la)."
+            )
+        for stage in STAGES:
+            cfg = self.stage(stage)
+            where = f"config.{stage.config_key}"
+            if cfg.synthetic_rate > 0 and self.data.source == "copy":
+                raise ConfigError(
+                    f"{where}.synthetic_rate={cfg.synthetic_rate}: synthetic retrieval rows are mixed into a corpus, "
+                    f"and data.source='copy' has none. Fix: --{where}.synthetic_rate=0, or a corpus data.source."
+                )
+            if stage.loss == "long" and cfg.ce_weight == 0 and cfg.kl_weight == 0:
+                raise ConfigError(
+                    f"{where}: ce_weight and kl_weight are both 0, so the {stage.name} stage has no loss. "
+                    f"Fix: --{where}.ce_weight=1.0."
+                )
+
+    def stage(self, stage: Stage) -> StageConfig:
+        return getattr(self, stage.config_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON-able data, in the recipe's shape (written with every run and export)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if hasattr(value, "to_dict") else _plain(value)
+        return out
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> RunConfig:
+        """Convert a recipe (ConfigDict or nested dict, overrides applied) into a validated RunConfig.
+
+        Raises ConfigError naming the key and the fix: unknown keys (with the valid ones), values of the wrong
+        type, values out of range, and combinations that cannot run."""
+        raw = _as_dict(recipe)
+        _refuse_unknown("config", raw, {f.name for f in dataclasses.fields(cls)})
+        missing = [s.config_key for s in STAGES if s.config_key not in raw] + (
+            ["selection"] if "selection" not in raw else []
+        )
+        if missing:
+            raise ConfigError(f"the recipe defines no {missing}; build it on configs/common.py's base().")
+        values: dict[str, Any] = {}
+        for key in ("seed", "distributed", "hybrid_calibration_rows"):
+            if key in raw:
+                values[key] = _coerce("config", key, raw[key], _hint(cls, key))
+        values["mesh"] = _section(MeshConfig, "mesh", raw.get("mesh", {}))
+        teacher = dict(raw.get("teacher", {}))
+        model = _as_dict(teacher.pop("model", None) or {})
+        if model:
+            try:
+                teacher["model"] = ModelConfig.from_dict(model)
+            except (ConfigError, TypeError) as err:
+                raise ConfigError(f"config.teacher.model: {err}") from None
+        values["teacher"] = _section(TeacherConfig, "teacher", teacher)
+        values["data"] = _section(DataConfig, "data", raw.get("data", {}))
+        values["logging"] = _section(LoggingConfig, "logging", raw.get("logging", {}))
+        hybrid = _as_dict(raw.get("hybrid", {}))
+        _refuse_unknown("config.hybrid", hybrid, {f.name for f in dataclasses.fields(HybridConfig)})
+        try:
+            values["hybrid"] = HybridConfig.from_dict(hybrid)
+        except (ConfigError, TypeError) as err:
+            raise ConfigError(f"config.hybrid: {err}") from None
+        for stage in STAGES:
+            values[stage.config_key] = _section(StageConfig, stage.config_key, raw[stage.config_key])
+        values["selection"] = _selection(raw["selection"])
+        try:
+            return cls(**values)
+        except _FieldError as err:
+            raise ConfigError(_reword("config", err)) from None
+
+
+def recipe_defaults() -> dict[str, Any]:
+    """The recipe skeleton (every key, with its default), which ``configs/common.base`` turns into a ConfigDict.
+    Selection settings are None: "the preset's value" (``SelectionConfig.from_any``)."""
+
+    def defaults(cls, skip=()):
+        return {
+            f.name: f.default
+            for f in dataclasses.fields(cls)
+            if f.name not in skip and f.default is not dataclasses.MISSING
+        }
+
+    return {
+        "seed": RunConfig.seed,
+        "distributed": RunConfig.distributed,
+        "mesh": defaults(MeshConfig),
+        "teacher": dict(defaults(TeacherConfig, skip=("model",)), model={}),
+        "data": defaults(DataConfig),
+        "selection": dict(
+            {f.name: None for f in dataclasses.fields(SelectionConfig)},
+            preset=SelectionStageConfig.preset,
+            head_map_path=SelectionStageConfig.head_map_path,
+        ),
+        "hybrid": defaults(HybridConfig),
+        "hybrid_calibration_rows": RunConfig.hybrid_calibration_rows,
+        **{s.config_key: stage_defaults(s.config_key) for s in STAGES},
+        "logging": defaults(LoggingConfig),
+    }
+
+
+def stage_defaults(config_key: str, **overrides) -> dict[str, Any]:
+    """Every StageConfig field of the stage ``config_key``: the defaults, its table's ``train``, then overrides."""
+    out = {f.name: f.default for f in dataclasses.fields(StageConfig) if f.name != "train"}
+    out["train"] = stage_by_key(config_key).default_train
+    unknown = sorted(set(overrides) - set(out))
+    if unknown:
+        raise ConfigError(f"unknown stage settings {unknown}; valid ones are {sorted(out)}.")
+    out.update(overrides)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ConfigError(f"expected a section (a ConfigDict / dict), got {value!r}.")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _refuse_unknown(where: str, raw: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        key = f"{where}.{unknown[0]}".removeprefix("config.")
+        raise ConfigError(
+            f"unknown config key {key!r}: {where} has no field {unknown[0]!r}; its fields are {sorted(known)}."
+        )
+
+
+def _hint(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(where: str, name: str, value: Any, hint) -> Any:
+    """``value`` as the field's type: ints stay ints (no bools), ints widen to floats, strings stay strings."""
+    key = f"{where}.{name}"
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected True or False.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: expected an integer.")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number.")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string.")
+        return value
+    return value
+
+
+def _reword(where: str, err: _FieldError) -> str:
+    """A _FieldError with the full key: config.stage2.lr=-1.0: must be > 0. Fix: --config.stage2.lr=1e-4."""
+    key = f"{where}.{err.field}"
+    fix = err.fix if " " in err.fix else f"--{key}={err.fix}"
+    return f"{key}={err.value!r}: {err.rule}. Fix: {fix}."
+
+
+def _section(cls, key: str, raw: Any):
+    data = _as_dict(raw)
+    where = f"config.{key}"
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    _refuse_unknown(where, data, known)
+    values = {k: v if k == "model" else _coerce(where, k, v, hints[k]) for k, v in data.items()}
+    try:
+        return cls(**values)
+    except _FieldError as err:
+        raise ConfigError(_reword(where, err)) from None
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _selection(raw: Any) -> SelectionStageConfig:
+    data = _as_dict(raw)
+    preset = data.pop("preset", None) or "demo"
+    head_map_path = data.pop("head_map_path", None) or ""
+    _refuse_unknown("config.selection", data, {f.name for f in dataclasses.fields(SelectionConfig)})
+    try:
+        settings = SelectionConfig.from_any(dict(data, preset=preset))
+        return SelectionStageConfig(settings=settings, preset=preset, head_map_path=head_map_path)
+    except _FieldError as err:
+        raise ConfigError(_reword("config.selection", err)) from None
+    except SelectionError as err:
+        text = str(err)
+        if not text.startswith("selection."):
+            text = f"selection: {text}"
+        raise ConfigError(f"config.{text}") from None
+
+
+def section_fields(path: tuple[str, ...]) -> list[str] | None:
+    """The keys of the recipe section at ``path`` (``()`` = the top level), or None when ``path`` names no
+    section: what an error about an unknown ``--config.a.b`` key lists as the valid choices."""
+    sections = {
+        (): RunConfig,
+        ("mesh",): MeshConfig,
+        ("teacher",): TeacherConfig,
+        ("teacher", "model"): ModelConfig,
+        ("data",): DataConfig,
+        ("hybrid",): HybridConfig,
+        ("logging",): LoggingConfig,
+        **{(s.config_key,): StageConfig for s in STAGES},
+    }
+    if path == ("selection",):
+        return sorted([f.name for f in dataclasses.fields(SelectionConfig)] + ["preset", "head_map_path"])
+    cls = sections.get(tuple(path))
+    return None if cls is None else sorted(f.name for f in dataclasses.fields(cls))

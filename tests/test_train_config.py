@@ -1,0 +1,324 @@
+"""The typed run config, as a user meets it: recipes and --config overrides converted once into validated frozen
+dataclasses, refused with the key and the fix before any work; the stage table; presets and list overrides;
+probe lengths and the tokenizer checked against the model; the resume fingerprint; the cluster defaults."""
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from train_helpers import ROOT, run_train, tiny_config
+
+from hydrahead_jax.config import ConfigError, ModelConfig
+from hydrahead_jax.run_config import STAGE_NAMES, STAGES, RunConfig, section_fields
+from hydrahead_jax.selection import SelectionConfig, SelectionError
+from hydrahead_jax.selection.select import check_probe_scores, combine_scores, validate_config
+from hydrahead_jax.training import checkpoint, steps
+
+
+def _recipe(name, arg=None):
+    module = __import__(f"configs.{name}", fromlist=["get_config"])
+    return module.get_config(arg)
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+
+
+@pytest.mark.parametrize(
+    "name, arg",
+    [
+        ("tiny", None),
+        ("smollm2_hydrahead", None),
+        ("smollm2_hydrahead", "layerwise_3to1"),
+        ("qwen3_1p7b_hydrahead", "7to1"),
+    ],
+)
+def test_every_recipe_converts_to_a_frozen_validated_run_config(name, arg):
+    run = RunConfig.from_recipe(_recipe(name, arg))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.stage1.lr = 1.0
+    # to_dict keeps the recipe's shape (the export's train_config.json is read by the evaluation)
+    resolved = run.to_dict()
+    assert set(resolved) == set(section_fields(()))
+    for stage in STAGES:
+        assert set(resolved[stage.config_key]) == set(section_fields((stage.config_key,)))
+    json.dumps(resolved)  # plain data
+
+
+def test_recipe_values_survive_the_conversion_unchanged():
+    c = _recipe("smollm2_hydrahead")
+    run = RunConfig.from_recipe(c)
+    for stage in STAGES:
+        assert dataclasses.asdict(run.stage(stage)) == c[stage.config_key].to_dict()
+    assert run.selection.settings == SelectionConfig(method="combined", ratio="7:1", allocation="global")
+    assert run.data.source == "enwiki" and run.teacher.source == "smollm2-135m" and run.teacher.model is None
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: setattr(c.stage2, "lr", -1.0), "config.stage2.lr=-1.0: must be > 0. Fix: --config.stage2.lr=1e-4."),
+        (lambda c: setattr(c.stage1, "train", "some"), "config.stage1.train='some': choose one of ('new', 'all')"),
+        (lambda c: setattr(c.mesh, "fsdp", 0), "config.mesh.fsdp=0: must be -1 (fill) or >= 1"),
+        (lambda c: setattr(c.data, "txt_split", "lines"), "config.data.txt_split='lines'"),
+        (lambda c: setattr(c.hybrid, "gdn_chunk_size", 24), "config.hybrid: HybridConfig.gdn_chunk_size=24"),
+        (lambda c: setattr(c.selection, "method", "best"), "config.selection.method='best'"),
+        (lambda c: setattr(c.stage3, "synthetic_rate", 0.2), "config.stage3.synthetic_rate=0.2: synthetic retrieval"),
+        (lambda c: setattr(c.stage3, "ce_weight", 0.0), "config.stage3: ce_weight and kl_weight are both 0"),
+        (lambda c: setattr(c.data, "source", "enwiki"), "a random teacher has none. Fix: --config.data.source=copy"),
+        (lambda c: setattr(c.teacher.model, "num_kv_heads", 3), "config.teacher.model: ModelConfig.num_heads=4"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key_and_the_fix(edit, message):
+    c = tiny_config()
+    edit(c)
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_recipe(c)
+    assert message in str(err.value)
+
+
+def test_wrong_types_and_unknown_keys_are_refused():
+    raw = tiny_config().to_dict()
+    raw["stage1"]["remat"] = "yes"
+    with pytest.raises(ConfigError, match=r"config\.stage1\.remat='yes': expected True or False"):
+        RunConfig.from_recipe(raw)
+    raw = tiny_config().to_dict()
+    raw["stage2"]["learning_rate"] = 1.0
+    with pytest.raises(ConfigError, match=r"unknown config key 'stage2\.learning_rate'.*'lr'"):
+        RunConfig.from_recipe(raw)
+
+
+def test_train_py_refuses_an_unknown_section_with_the_valid_keys(tmp_path):
+    proc = run_train(tmp_path / "w", "--config.optimizer.lr=1")
+    assert proc.returncode == 2
+    assert "unknown config key 'optimizer.lr'" in proc.stderr and "'stage2'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------------------------------------ stage table
+
+
+def test_one_stage_table():
+    assert STAGE_NAMES == ("select", "align", "distil", "long")
+    assert [(s.config_key, s.directory) for s in STAGES] == [
+        ("stage1", "stage1_align"),
+        ("stage2", "stage2_distil"),
+        ("stage3", "stage3_long"),
+    ]
+    assert steps.STAGE_KINDS == tuple(s.loss for s in STAGES)
+    # the recipe's default trainable parameters come from the table
+    c = tiny_config().to_dict()
+    del c["stage2"]["train"]
+    with pytest.raises(ConfigError, match=r"config\.stage2: .*train"):
+        RunConfig.from_recipe(c)
+    from configs.common import base
+
+    assert [base()[s.config_key].train for s in STAGES] == [s.default_train for s in STAGES]
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+
+def test_paper_preset_gives_paper_settings_unless_a_field_is_set():
+    paper = SelectionConfig.paper()
+    run = RunConfig.from_recipe(_recipe("qwen3_1p7b_hydrahead", "7to1"))
+    assert run.selection.preset == "paper"
+    assert run.selection.settings == dataclasses.replace(paper, method="combined", ratio="7:1", allocation="per_layer")
+    c = _recipe("qwen3_1p7b_hydrahead", "7to1")
+    c.selection.niah_lengths = (256, 512)
+    c.selection.ablation_length = 1024
+    settings = RunConfig.from_recipe(c).selection.settings
+    assert settings.niah_lengths == (256, 512) and settings.ablation_length == 1024
+    assert (settings.niah_prompts, settings.ablation_scope) == (paper.niah_prompts, paper.ablation_scope)
+    # the demo preset keeps the demo defaults
+    assert RunConfig.from_recipe(_recipe("smollm2_hydrahead")).selection.settings.niah_lengths == (256, 512)
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [("1024,2048", (1024, 2048)), (("1024,2048",), (1024, 2048)), (4096, (4096,)), ([512, 1024], (512, 1024))],
+)
+def test_list_settings_take_comma_separated_values(given, expected):
+    assert SelectionConfig.from_any({"niah_lengths": given}).niah_lengths == expected
+    with pytest.raises(SelectionError, match=r"selection\.niah_lengths='1k,2k': expected a comma-separated list"):
+        SelectionConfig.from_any({"niah_lengths": "1k,2k"})
+
+
+def test_list_overrides_and_the_paper_preset_from_the_command_line(tmp_path):
+    proc = run_train(
+        tmp_path,
+        "--until_stage=select",
+        "--config.selection.preset=paper",
+        "--config.selection.niah_lengths=256,1024",
+        "--config.selection.niah_needle_types=number,uuid",
+        "--config.selection.niah_depths=0.5",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recorded = json.loads((tmp_path / "run_config.json").read_text())["config"]["selection"]
+    assert recorded["niah_lengths"] == [256, 1024]
+    assert recorded["niah_needle_types"] == ["number", "uuid"] and recorded["niah_depths"] == [0.5]
+    assert recorded["niah_prompts"] == SelectionConfig.paper().niah_prompts  # unset: the preset's value
+    assert recorded["method"] == "layerwise"  # set by configs/tiny.py
+
+
+# ------------------------------------------------------------------------------------------------ probes, tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from hydrahead_jax.models.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def _smol_cfg(**kw):
+    return ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    ).replace(max_position_embeddings=8192, **kw)
+
+
+def test_probe_lengths_too_short_for_their_task_are_refused_at_validation(smol_tokenizer):
+    short = SelectionConfig(method="combined", ratio="1:1", ablation_length=128)
+    with pytest.raises(SelectionError, match=r"selection\.ablation_length=128: kv_retrieval: length=128 is too short"):
+        validate_config(short, _smol_cfg(), smol_tokenizer)
+    validate_config(dataclasses.replace(short, ablation_length=160), _smol_cfg(), smol_tokenizer)  # the demo value
+    with pytest.raises(SelectionError, match=r"selection\.niah_lengths=64,512: niah_single: length=64 is too short"):
+        validate_config(
+            dataclasses.replace(short, method="retrieval", niah_lengths=(64, 512)), _smol_cfg(), smol_tokenizer
+        )
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_too_short_probe_before_any_work(tmp_path):
+    proc = run_train(tmp_path, "--config.selection.ablation_length=128", config="smollm2_hydrahead.py", timeout=900)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "kv_retrieval: length=128 is too short" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "selection").exists() and not (tmp_path / "head_map.json").exists()
+
+
+def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_path):
+    from test_eval import random_model, save_hf_folder, tiny_cfg
+
+    from hydrahead_jax.data import CorpusError, check_tokenizer
+    from hydrahead_jax.data.protocol import TokenizerModelMismatchError
+    from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
+    from hydrahead_jax.training.pipeline import run_pipeline
+
+    tok = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 40], vocab_size=300)
+    assert tok.vocab_size > 257
+    check_tokenizer(tok, tok.vocab_size)  # exactly enough rows
+    with pytest.raises(TokenizerModelMismatchError, match=f"ids up to {tok.vocab_size - 1}.*only 257 embedding rows"):
+        check_tokenizer(tok, 257)
+    folder = save_hf_folder(random_model(tiny_cfg(257), 0), tok, tmp_path / "teacher" / "short-vocab")
+    recipe = tiny_config().to_dict()
+    recipe["teacher"].update(source=str(folder), model={})
+    with pytest.raises(TokenizerModelMismatchError, match="only 257 embedding rows"):
+        run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before the head map, before the workdir was touched
+
+    # a matching tokenizer passes; a corpus that is not there is the next thing refused, still before any work
+    folder = save_hf_folder(random_model(tiny_cfg(tok.vocab_size), 0), tok, tmp_path / "teacher" / "full-vocab")
+    recipe["teacher"]["source"] = str(folder)
+    recipe["data"]["source"] = str(tmp_path / "no-such-corpus")
+    with pytest.raises(CorpusError, match=r"config\.data\.source: corpus source .*no-such-corpus does not exist"):
+        run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_nan_probe_scores_are_an_error_naming_the_probe():
+    scores = np.arange(8.0).reshape(2, 4)
+    np.testing.assert_array_equal(check_probe_scores("retrieval", scores), scores)
+    broken = scores.copy()
+    broken[1, 2] = np.nan
+    # Without the check, rank normalisation turns the NaN into an ordinary rank: a plausible-looking selection.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert np.isfinite(combine_scores(scores, broken)).all()
+    with pytest.raises(SelectionError, match=r"the ablation probe produced 1 non-finite score.*\[\(1, 2\)\]"):
+        check_probe_scores("ablation", broken)
+
+
+# ------------------------------------------------------------------------------------------------ resume keys
+
+
+def test_resume_safe_keys_name_real_fields():
+    resolved = RunConfig.from_recipe(tiny_config()).to_dict()
+    assert set(checkpoint.RESUME_SAFE_KEYS) <= set(resolved)
+    for section, keys in checkpoint.RESUME_SAFE_SECTION_KEYS.items():
+        assert set(keys) <= set(resolved[section]), section
+
+
+def test_fingerprint_ignores_mounts_and_loader_threads_but_not_the_math(tmp_path):
+    def run(**edits):
+        c = _recipe("qwen3_1p7b_hydrahead", "7to1")
+        c.teacher.source = "/mnt/a/Qwen3-1.7B"
+        for key, value in edits.items():
+            section, field = key.split("__")
+            c[section][field] = value
+        return RunConfig.from_recipe(c)
+
+    qwen = _smol_cfg(name="qwen3-like")
+    checkpoint.check_workdir_config(tmp_path, run(), qwen, force_new=False)
+    # a restart with the teacher mounted elsewhere, more loader threads, another mesh: the same run
+    moved = run(teacher__source="/gcs/other/Qwen3-1.7B", data__num_threads=32, data__prefetch=4, mesh__fsdp=4)
+    checkpoint.check_workdir_config(tmp_path, moved, qwen, force_new=False)
+    for changed, model in [
+        (run(stage3__lr=2e-5), qwen),  # optimizer
+        (run(stage2__tokens=10**9), qwen),  # budget
+        (run(data__source="/data/other"), qwen),  # data content
+        (run(selection__ratio="3:1"), qwen),  # head map
+        (run(), qwen.replace(num_layers=3)),  # the teacher itself
+    ]:
+        with pytest.raises(checkpoint.ConfigMismatchError):
+            checkpoint.check_workdir_config(tmp_path, changed, model, force_new=False)
+
+
+# ------------------------------------------------------------------------------------------------ cluster defaults
+
+
+def test_the_qwen3_recipe_fails_in_one_line_on_one_machine(tmp_path):
+    proc = run_train(tmp_path / "a", config="qwen3_1p7b_hydrahead.py:7to1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "config.distributed=True, but no cluster to join was found" in proc.stderr
+    assert "--config.distributed=False" in proc.stderr
+    proc = run_train(tmp_path / "b", "--config.distributed=False", config="qwen3_1p7b_hydrahead.py:7to1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "config.mesh (data=-1 x fsdp=8 x tensor=1) needs a multiple of 8 devices, but 1 are visible" in proc.stderr
+    assert not (tmp_path / "b").exists()  # before the (absent) teacher was looked for
+
+
+# ------------------------------------------------------------------------------------------------ module layout
+
+
+def test_loading_a_model_needs_no_training_code():
+    code = (
+        "import sys; import hydrahead_jax.export, hydrahead_jax.evaluation, hydrahead_jax.evaluation.models; "
+        "from hydrahead_jax import load_hydrahead; "
+        "bad = sorted(m for m in sys.modules if m.startswith('hydrahead_jax.training')); "
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_data_modules_import_each_other_without_a_cycle():
+    package = ROOT / "hydrahead_jax" / "data"
+    graph = {}
+    for path in package.glob("*.py"):
+        imports = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hydrahead_jax.data."):
+                imports.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = imports - {"__init__"}
+    assert "rows" in graph["mixture"] and "mixture" in graph["pipeline"] and "rows" in graph["pipeline"]
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
