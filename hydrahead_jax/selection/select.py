@@ -471,6 +471,7 @@ def run_selection(
             f"[select] ablation probe on {len(examples)} prompts (teacher exact on {sum(correct)}) "
             f"({time.time() - started:.0f}s)"
         )
+    scores = {name: check_probe_scores(name, s) for name, s in scores.items()}
     if sel.method == "combined":
         scores["combined"] = combine_scores(scores["retrieval"], scores["ablation"])
     fa_groups = select_fa_groups(
