@@ -14,8 +14,10 @@ every gradient against an fp32 oracle (the pure-JAX reference at HIGHEST matmul 
 - float32 inputs: error ≤ ``F32_TOLERANCE``. Triton runs fp32 dots as TF32 unless told otherwise (10-bit mantissa,
   unit roundoff 2⁻¹¹ ≈ 4.9e-4), so errors of a few 1e-4 are expected; a wrong mask, scale, offset or block edge
   gives errors of order 1e-1 and fails.
-- bfloat16 inputs: error ≤ ``BF16_FACTOR`` × the error of the reference itself run on the same bf16 inputs (it
-  rounds only its inputs and outputs), i.e. the kernel may lose at most as much again as bf16 storage does.
+- bfloat16 inputs: error ≤ ``BF16_FACTOR`` × the error of the reference itself run on the same bf16 inputs, against
+  the same oracle (the reference computes in fp32, so its error is what bf16 storage alone costs): the kernel may
+  lose at most as much again. Each kernel script takes its oracle's inputs as its unit tests do (flash attention:
+  the bf16-rounded inputs in fp32; gated delta: the fp32 inputs before rounding).
 
 Timing protocol: every variant of a row is compiled and run once, then ``_common.time_interleaved`` runs bounded
 interleaved rounds (at most ``repeats``, fewer when they would exceed the row's seconds) and reports the median.

@@ -75,8 +75,16 @@ if [ -z "$cuda" ] && [ "$mode" != dry-run ]; then
 fi
 if [ "$cuda" = 12 ]; then TORCH_VERSION=$TORCH_FOR_CUDA12; else TORCH_VERSION=$TORCH_FOR_CUDA13; fi
 REQUIREMENTS=("jax[cuda${cuda:-13}]==$JAX_VERSION" "torch==$TORCH_VERSION" "fla-core==$FLA_VERSION" "numpy")
+# Installed afterwards with --no-deps, over an exact pin of torch's: JAX's CUDA plugin refuses to start when a CUDA
+# library is older (major.minor) than the one it was built with, and torch 2.10 pins cuFFT 11.3 while jax-cuda12
+# 0.12.0.1 was built with cuFFT 11.4 (cuFFT keeps its ABI within a major version; fla does not use it anyway).
+# jax-cuda13 0.12.0.1 was built with CUDA 13.0 libraries, all at or below torch 2.13's pins.
+AFTER=()
+[ "$cuda" = 12 ] && AFTER=("nvidia-cufft-cu12==11.4.1.4")
 VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
 STAMP="$VENV/.gpu-check-requirements"
+
+stamp_matches() { [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}"); }
 
 find_python() {  # $PYTHON if set, else the repository's search (PATH, then pyenv's versions)
   if [ -n "${PYTHON:-}" ]; then
@@ -91,9 +99,10 @@ if [ "$plan_only" = 1 ]; then
   echo "  mode:          $mode, budget ${budget} s, results in $out"
   echo "  driver CUDA:   $(driver_cuda || true)${cuda_note:+ (${cuda_note})}"
   echo "  python:        $(find_python 2>/dev/null || echo 'none >= 3.12 with venv found: install python3.12 or set PYTHON')"
-  echo "  venv:          $VENV$([ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}") && echo ' (up to date: reused)')"
+  echo "  venv:          $VENV$(stamp_matches && echo ' (up to date: reused)')"
   echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION installed into the venv by pip, pip if that fails")"
   echo "  requirements:  ${REQUIREMENTS[*]}"
+  [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
   echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
   echo "                 pallas_kernels from this checkout, and torch + fla for the peer)"
   [ "$mode" = dry-run ] && echo "  (--dry-run installs nothing: it runs on the current Python in interpret mode)"
@@ -107,27 +116,35 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch (the fla peer) shares the GPU with JAX in one process
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 
+# uv downloads and unpacks in parallel (about 3 GB of CUDA wheels in about a minute); pip is the fallback. uv does not
+# read pip's configuration, so an index-url set for pip on this machine (a registry mirror) is handed to it.
 install_venv() {
-  local base uv t0=$(date +%s)
+  local base uv index t0; t0=$(date +%s)
   base=$(find_python) || die "no Python >= 3.12 to build $VENV from (see above; or set PYTHON=/path/to/python3.12)"
-  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]}"
+  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]} ${AFTER[*]}"
   rm -rf "$VENV"
   "$base" -m venv "$VENV" || die "'$base -m venv' failed (Debian/Ubuntu: apt-get install python3.12-venv)"
   echo '*' > "$VENV/.gitignore"
   uv=$(command -v uv || true)
-  if [ -z "$uv" ] && "$VENV/bin/python" -m pip install -q "uv==$UV_VERSION"; then uv="$VENV/bin/uv"; fi
-  # uv downloads and unpacks in parallel (several GB of CUDA wheels); pip is the fallback. uv does not read pip's
-  # configuration, so a pip index-url set on this machine (a registry mirror) is handed to it.
-  local index; index=$("$VENV/bin/python" -m pip config get global.index-url 2>/dev/null || true)
-  if [ -n "$uv" ] && UV_CACHE_DIR=${UV_CACHE_DIR:-$VENV/.uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}} \
-      "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}"; then :
-  else
-    echo "== uv unavailable or failed: installing with pip"
-    "$VENV/bin/python" -m pip install -q "${REQUIREMENTS[@]}" || die "installing ${REQUIREMENTS[*]} failed (is the package registry reachable?)"
+  if [ -z "$uv" ] && "$VENV/bin/python" -m pip install -q --retries 1 --timeout 30 "uv==$UV_VERSION"; then
+    uv="$VENV/bin/uv"
   fi
-  printf '%s\n' "${REQUIREMENTS[@]}" > "$STAMP"
-  echo "== installed in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" --exclude=.uv-cache 2>/dev/null | cut -f1) in $VENV"
+  index=$("$VENV/bin/python" -m pip config get global.index-url 2>/dev/null || true)
+  if [ -n "$uv" ]; then
+    export UV_CACHE_DIR=${UV_CACHE_DIR:-$VENV/.uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}}
+    [ -n "$UV_DEFAULT_INDEX" ] || unset UV_DEFAULT_INDEX
+    "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}" || return 1
+    [ ${#AFTER[@]} -eq 0 ] || "$uv" pip install --python "$VENV/bin/python" --no-deps "${AFTER[@]}" || return 1
+  else
+    echo "== uv could not be installed: installing with pip (slower)"
+    "$VENV/bin/python" -m pip install -q "${REQUIREMENTS[@]}" || return 1
+    [ ${#AFTER[@]} -eq 0 ] || "$VENV/bin/python" -m pip install -q --no-deps "${AFTER[@]}" || return 1
+  fi
+  printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}" > "$STAMP"
+  echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh --exclude=.uv-cache "$VENV" 2>/dev/null | cut -f1) in $VENV"
 }
+
+has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; }
 
 if [ "$mode" = dry-run ]; then
   PY=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
@@ -138,22 +155,26 @@ elif [ "$install" = 0 ]; then
   echo "== --no-install: using $PY as it is"
 else
   [ -n "${cuda_note:-}" ] && echo "== $cuda_note"
-  if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}") \
-      && "$VENV/bin/python" -c 'import jax, torch, fla' 2>/dev/null; then
-    echo "== reusing $VENV (${REQUIREMENTS[*]})"
-  else
-    install_venv
-  fi
   PY="$VENV/bin/python"
+  if [ -x "$PY" ] && stamp_matches && "$PY" -c 'import jax, torch, fla' 2>/dev/null; then
+    echo "== reusing $VENV (${REQUIREMENTS[*]} ${AFTER[*]})"
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$VENV/.jax-cache}  # a rerun skips compiles
+  elif install_venv; then
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$VENV/.jax-cache}
+  elif has_gpu_jax "${PYTHON:-python3}"; then
+    PY=${PYTHON:-python3}
+    echo "== the install failed; $PY already has JAX with a GPU: using it as it is (a peer it lacks is skipped)"
+  else
+    die "installing ${REQUIREMENTS[*]} into $VENV failed (see above: is the package registry reachable?); on a machine
+without it, install JAX with CUDA yourself and run with --no-install"
+  fi
 fi
 "$PY" -c 'import jax, numpy' 2>/dev/null || die "$PY cannot import jax and numpy (run without --no-install to install them)"
 if [ "$mode" != dry-run ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/== GPU: /' || true
-  "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null || die "JAX in $PY sees no GPU \
-($("$PY" -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)). On a GPU machine: check nvidia-smi, or pass --cuda 12 \
-for a driver older than CUDA 13 (with --no-install: install jax[cuda12] or jax[cuda13]). Without a GPU: --dry-run"
-  # A reused machine keeps compiled kernels: a rerun in the same lease skips most compilation.
-  export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$VENV/.jax-cache}
+  has_gpu_jax "$PY" || die "JAX in $PY sees no GPU ($("$PY" -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)).
+On a GPU machine: check nvidia-smi, or pass --cuda 12 for a driver older than CUDA 13 (with --no-install: install
+jax[cuda12] or jax[cuda13]). Without a GPU: --dry-run"
 fi
 
 # ------------------------------------------------------------------------------------------ the checks
