@@ -37,13 +37,13 @@ TORCH_FOR_CUDA13=2.13.0
 TORCH_FOR_CUDA12=2.10.0
 UV_VERSION=0.13.8
 
-mode=full cuda="" install=1 plan_only=0 budget="" out="${OUT:-$ROOT/bench/results/gpu}"
+mode=full dry=0 cuda="" install=1 plan_only=0 budget="" out="${OUT:-$ROOT/bench/results/gpu}"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "gpu_check: $1" >&2; exit "${2:-69}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) mode=quick ;;
-    --dry-run) mode=dry-run; install=0 ;;
+    --dry-run) dry=1 ;;
     --no-install) install=0 ;;
     --print-install-plan) plan_only=1 ;;
     --cuda) [ $# -ge 2 ] || die "--cuda needs 12 or 13" 64; cuda=$2; shift ;;
@@ -57,6 +57,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+[ "$dry" = 1 ] && mode=dry-run install=0  # whatever else was asked: --dry-run never installs or needs a GPU
 case "$cuda" in ""|12|13) ;; *) die "--cuda takes 12 or 13, got '$cuda'" 64 ;; esac
 : "${budget:=$(case $mode in full) echo 480 ;; quick) echo 180 ;; dry-run) echo 600 ;; esac)}"
 case "$budget" in ''|*[!0-9]*) die "--budget takes whole seconds, got '$budget'" 64 ;; esac

@@ -68,7 +68,7 @@ ROWS = {
 TOKENS = {"full": 32768, "quick": 32768, "dry-run": 64}  # B·T per row
 HEADS = {"full": 16, "quick": 16, "dry-run": 2}
 REPEATS = {"full": 10, "quick": 5, "dry-run": 1}
-SECONDS_PER_TIMING = {"full": 3.0, "quick": 1.5, "dry-run": 1.0}
+SECONDS_PER_TIMING = {"full": 2.0, "quick": 1.0, "dry-run": 1.0}
 DENSE_MAX_T = 8192
 
 

@@ -58,7 +58,7 @@ ROWS = {  # (D = K = V, T), most important first: the budget drops the tail
 TOKENS = {"full": 32768, "quick": 32768, "dry-run": 50}  # B·T per row
 HEADS = {"full": 16, "quick": 16, "dry-run": 2}
 REPEATS = {"full": 10, "quick": 5, "dry-run": 1}
-SECONDS_PER_TIMING = {"full": 3.0, "quick": 1.5, "dry-run": 1.0}
+SECONDS_PER_TIMING = {"full": 2.0, "quick": 1.0, "dry-run": 1.0}
 
 
 def gdn_flops_fwd(b: int, t: int, h: int, k: int, v: int, c: int = CHUNK) -> float:
