@@ -19,8 +19,8 @@
 #                       --dry-run 600, a limit for a loaded CI box: it takes under a minute on an idle 2-core CPU);
 #                       what is left when it is spent is skipped with a printed note
 #   --out DIR           results folder (default $OUT if set, else bench/results/gpu)
-# Environment: PYTHON (the interpreter to build the venv from), GPU_CHECK_VENV (default .venv-gpu, reused while the
-#   pinned requirements are unchanged), UV_CACHE_DIR.
+# Environment: PYTHON (the interpreter to build the venv from), GPU_CHECK_DIR (default .venv-gpu: the venv env/,
+#   reused while the pinned requirements are unchanged, uv's download cache and JAX's compilation cache).
 # Output: DIR/gpu_check.md (paste into bench/RESULTS.md), DIR/gpu_check.json, and per kernel <kernel>.md/.json.
 # Exit status: 0 all checks passed; 1 a check failed or a script crashed (the first line of the summary says
 #   which); 2 nothing failed but checks were skipped for time; 64 bad usage; 69 the environment cannot be set up.
@@ -82,7 +82,8 @@ REQUIREMENTS=("jax[cuda${cuda:-13}]==$JAX_VERSION" "torch==$TORCH_VERSION" "fla-
 # jax-cuda13 0.12.0.1 was built with CUDA 13.0 libraries, all at or below torch 2.13's pins.
 AFTER=()
 [ "$cuda" = 12 ] && AFTER=("nvidia-cufft-cu12==11.4.1.4")
-VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
+GPU_DIR=${GPU_CHECK_DIR:-$ROOT/.venv-gpu}  # env/ (the venv), uv-cache/ and jax-cache/ survive a failed install
+VENV=$GPU_DIR/env
 STAMP="$VENV/.gpu-check-requirements"
 
 stamp_matches() { [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}"); }
@@ -101,7 +102,7 @@ if [ "$plan_only" = 1 ]; then
   echo "  driver CUDA:   $(driver_cuda || true)${cuda_note:+ (${cuda_note})}"
   echo "  python:        $(find_python 2>/dev/null || echo 'none >= 3.12 with venv found: install python3.12 or set PYTHON')"
   echo "  venv:          $VENV$(stamp_matches && echo ' (up to date: reused)')"
-  echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION installed into the venv by pip, pip if that fails")"
+  echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION, installed into the venv by pip"); pip if uv's install fails"
   echo "  requirements:  ${REQUIREMENTS[*]}"
   [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
   echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
@@ -117,32 +118,33 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch (the fla peer) shares the GPU with JAX in one process
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 
-# uv downloads and unpacks in parallel (about 3 GB of CUDA wheels in about a minute); pip is the fallback. uv does not
-# read pip's configuration, so an index-url set for pip on this machine (a registry mirror) is handed to it.
+# uv downloads and unpacks in parallel (3.1 GB of wheels for CUDA 13, 4.4 GB for CUDA 12); pip is the fallback when
+# uv's install fails. uv comes from the registry too: when even it cannot be fetched (with few, short retries, so an
+# unreachable registry costs seconds, not minutes) the install gives up. uv does not read pip's configuration, so an
+# index-url set for pip on this machine (a registry mirror) is handed to it.
 install_venv() {
   local base uv index t0; t0=$(date +%s)
-  base=$(find_python) || die "no Python >= 3.12 to build $VENV from (see above; or set PYTHON=/path/to/python3.12)"
-  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]} ${AFTER[*]}"
+  base=$(find_python) || { echo "gpu_check: no Python >= 3.12 to build $VENV from (or set PYTHON)" >&2; return 1; }
+  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}}"
+  mkdir -p "$GPU_DIR" && echo '*' > "$GPU_DIR/.gitignore"
   rm -rf "$VENV"
-  "$base" -m venv "$VENV" || die "'$base -m venv' failed (Debian/Ubuntu: apt-get install python3.12-venv)"
-  echo '*' > "$VENV/.gitignore"
+  "$base" -m venv "$VENV" || { echo "gpu_check: '$base -m venv' failed (Debian/Ubuntu: apt-get install python3.12-venv)" >&2; return 1; }
   uv=$(command -v uv || true)
-  if [ -z "$uv" ] && "$VENV/bin/python" -m pip install -q --retries 1 --timeout 30 "uv==$UV_VERSION"; then
+  if [ -z "$uv" ]; then
+    "$VENV/bin/python" -m pip install -q --retries 1 --timeout 20 "uv==$UV_VERSION" || {
+      echo "gpu_check: could not install uv==$UV_VERSION from the package registry (is it reachable?)" >&2; return 1; }
     uv="$VENV/bin/uv"
   fi
   index=$("$VENV/bin/python" -m pip config get global.index-url 2>/dev/null || true)
-  if [ -n "$uv" ]; then
-    export UV_CACHE_DIR=${UV_CACHE_DIR:-$VENV/.uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}}
-    [ -n "$UV_DEFAULT_INDEX" ] || unset UV_DEFAULT_INDEX
-    "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}" || return 1
-    [ ${#AFTER[@]} -eq 0 ] || "$uv" pip install --python "$VENV/bin/python" --no-deps "${AFTER[@]}" || return 1
-  else
-    echo "== uv could not be installed: installing with pip (slower)"
+  export UV_CACHE_DIR=${UV_CACHE_DIR:-$GPU_DIR/uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}}
+  [ -n "$UV_DEFAULT_INDEX" ] || unset UV_DEFAULT_INDEX
+  if ! "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}"; then
+    echo "== uv's install failed: trying pip (slower)"
     "$VENV/bin/python" -m pip install -q "${REQUIREMENTS[@]}" || return 1
-    [ ${#AFTER[@]} -eq 0 ] || "$VENV/bin/python" -m pip install -q --no-deps "${AFTER[@]}" || return 1
   fi
+  [ ${#AFTER[@]} -eq 0 ] || "$VENV/bin/python" -m pip install -q --no-deps "${AFTER[@]}" || return 1
   printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}" > "$STAMP"
-  echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh --exclude=.uv-cache "$VENV" 2>/dev/null | cut -f1) in $VENV"
+  echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"
 }
 
 has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; }
@@ -158,10 +160,10 @@ else
   [ -n "${cuda_note:-}" ] && echo "== $cuda_note"
   PY="$VENV/bin/python"
   if [ -x "$PY" ] && stamp_matches && "$PY" -c 'import jax, torch, fla' 2>/dev/null; then
-    echo "== reusing $VENV (${REQUIREMENTS[*]} ${AFTER[*]})"
-    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$VENV/.jax-cache}  # a rerun skips compiles
+    echo "== reusing $VENV (${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}})"
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$GPU_DIR/jax-cache}  # a rerun skips compiles
   elif install_venv; then
-    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$VENV/.jax-cache}
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$GPU_DIR/jax-cache}
   elif has_gpu_jax "${PYTHON:-python3}"; then
     PY=${PYTHON:-python3}
     echo "== the install failed; $PY already has JAX with a GPU: using it as it is (a peer it lacks is skipped)"
