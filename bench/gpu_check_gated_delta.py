@@ -43,7 +43,9 @@ from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 CHUNK = 64
-PEER_AGREEMENT = 1e-2  # fla vs the fp32 reference; TF32 dots give ~1e-3, different semantics give O(1)
+# fla vs the reference on the same bf16 inputs: bf16 outputs and bf16 dots give ~1e-2 at most; another scale, norm or
+# decay convention gives O(1).
+PEER_AGREEMENT = 5e-2
 
 CASES = {  # (B, T, H, K, V)
     "full": [(2, 300, 4, 64, 64), (1, 1000, 2, 128, 128), (1, 4100, 2, 128, 128)],
@@ -179,13 +181,14 @@ def torch_peer(fla_gdn, args, cot, device="cuda") -> TorchPeer:
 
 
 def check_fla_agreement(report: Report, fla_gdn, case, device="cuda") -> bool:
-    """fla's output and final state vs the fp32 reference: the peer must compute the same function."""
-    args, cot = make_inputs(*case, seed=1)
-    want = jax.jit(gdn("reference"))(*args)
+    """fla's output and final state on bf16 inputs (the benchmark's dtype) vs the fp32 reference on the same rounded
+    inputs: the peer must compute the same function for its timings to mean anything."""
+    args, cot = _cast(*make_inputs(*case, seed=1), BF16)
+    want = jax.jit(gdn("reference"))(*(a.astype(F32) for a in args))
     got = torch_peer(fla_gdn, args, cot, device).values()
     errs = [rel_err(g.float().cpu().numpy(), w) for g, w in zip(got, want)]
     verdict = "agrees" if max(errs) <= PEER_AGREEMENT else "DISAGREES (its timings compare different math)"
-    report.note(f"fla {verdict} with the reference at (B,T,H,K,V)={case}, fp32: o {errs[0]:.1e}, state {errs[1]:.1e}")
+    report.note(f"fla {verdict} with the reference at (B,T,H,K,V)={case}, bf16: o {errs[0]:.1e}, state {errs[1]:.1e}")
     return max(errs) <= PEER_AGREEMENT
 
 
