@@ -54,8 +54,12 @@ format: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) bench/run_all.py
 
+# On a GPU machine: installs its own venv (.venv-gpu: JAX with CUDA, torch, fla-core), checks both Pallas kernels and
+# benchmarks them against cuDNN and flash-linear-attention (<= 8 min). GPU_CHECK_ARGS=--quick (<= 3 min),
+# --dry-run (CPU smoke run), --print-install-plan.
+GPU_CHECK_ARGS ?=
 gpu-check:
-	bash bench/gpu_check.sh
+	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,13 +1,205 @@
 #!/usr/bin/env bash
-# One prepared GPU check (DESIGN.md §5, issue 4): compile both Pallas kernels, check them against the references,
-# then benchmark them beside the XLA paths. Needs jax >= 0.11.2 with a GPU backend; no network, no hydrahead_jax.
-# Usage: bash bench/gpu_check.sh [--quick]   (--quick: tiny shapes in interpret mode, runs on a CPU too)
+# GPU check of the Pallas kernels on a fresh NVIDIA machine (made for one H200): installs what it needs, checks the
+# values and gradients of flash_attention and chunk_gated_delta_rule (implementation="pallas") against the pure-JAX
+# references, then prints TFLOP/s and ratios against cuDNN attention, XLA and flash-linear-attention (fla-core)
+# measured in the same run. Needs only this checkout, Python >= 3.12 and the package registry (PyPI).
+#
+#   bash bench/gpu_check.sh                       # full run, at most 8 minutes including the install
+#   bash bench/gpu_check.sh --quick               # fewer cases and rows, at most 3 minutes
+#   bash bench/gpu_check.sh --dry-run             # on a CPU: interpret mode, tiny shapes, no install, peers skipped
+#   bash bench/gpu_check.sh --print-install-plan  # what would be installed and how; changes nothing
+#   make gpu-check                                # the full run
+#
+# Options:
+#   --cuda 12|13        CUDA wheels to install (default: from the driver's CUDA version that nvidia-smi reports;
+#                       13: jax[cuda13] + torch 2.13, which share one CUDA 13 stack; 12: jax[cuda12] + torch 2.10,
+#                       the newest torch on PyPI built for CUDA 12)
+#   --no-install        use $PYTHON (default python3) as it is; peers that are not importable are skipped
+#   --budget SECONDS    wall-clock budget of the whole run including the install (default 480, --quick 180;
+#                       --dry-run 600, a limit for a loaded CI box: it takes under a minute on an idle 2-core CPU);
+#                       what is left when it is spent is skipped with a printed note
+#   --out DIR           results folder (default $OUT if set, else bench/results/gpu)
+# Environment: PYTHON (the interpreter to build the venv from), GPU_CHECK_DIR (default .venv-gpu: the venv env/,
+#   reused while the pinned requirements are unchanged, uv's download cache and JAX's compilation cache).
+# Output: DIR/gpu_check.md (paste into bench/RESULTS.md), DIR/gpu_check.json, and per kernel <kernel>.md/.json.
+# Exit status: 0 all checks passed; 1 a check failed or a script crashed (the first line of the summary says
+#   which); 2 nothing failed but checks were skipped for time; 64 bad usage; 69 the environment cannot be set up.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c 'import jax; print("jax", jax.__version__, "devices:", jax.devices())'
-status=0
-"$PY" bench/gpu_check_flash_attention.py "$@" || status=1
-"$PY" bench/gpu_check_gated_delta.py "$@" || status=1
-exit $status
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+START=$(date +%s)
+
+# Pinned top-level versions (the resolver picks the CUDA libraries they need; both sets were resolved on PyPI).
+JAX_VERSION=0.12.0.1
+FLA_VERSION=0.6.0
+TORCH_FOR_CUDA13=2.13.0
+TORCH_FOR_CUDA12=2.10.0
+UV_VERSION=0.13.8
+
+mode=full dry=0 cuda="" install=1 plan_only=0 budget="" out="${OUT:-$ROOT/bench/results/gpu}"
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "gpu_check: $1" >&2; exit "${2:-69}"; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) mode=quick ;;
+    --dry-run) dry=1 ;;
+    --no-install) install=0 ;;
+    --print-install-plan) plan_only=1 ;;
+    --cuda) [ $# -ge 2 ] || die "--cuda needs 12 or 13" 64; cuda=$2; shift ;;
+    --cuda=*) cuda=${1#*=} ;;
+    --budget) [ $# -ge 2 ] || die "--budget needs a number of seconds" 64; budget=$2; shift ;;
+    --budget=*) budget=${1#*=} ;;
+    --out) [ $# -ge 2 ] || die "--out needs a folder" 64; out=$2; shift ;;
+    --out=*) out=${1#*=} ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument '$1' (see the usage above)" 64 ;;
+  esac
+  shift
+done
+[ "$dry" = 1 ] && mode=dry-run install=0  # whatever else was asked: --dry-run never installs or needs a GPU
+case "$cuda" in ""|12|13) ;; *) die "--cuda takes 12 or 13, got '$cuda'" 64 ;; esac
+: "${budget:=$(case $mode in full) echo 480 ;; quick) echo 180 ;; dry-run) echo 600 ;; esac)}"
+case "$budget" in ''|*[!0-9]*) die "--budget takes whole seconds, got '$budget'" 64 ;; esac
+DEADLINE=$((START + budget))
+
+# ------------------------------------------------------------------------------------------ which wheels
+# The driver's CUDA version (nvidia-smi's header) decides: CUDA 13 wheels need a driver that supports CUDA 13.
+driver_cuda() { nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -n 1; }
+if [ -z "$cuda" ] && [ "$mode" != dry-run ]; then
+  detected=$(driver_cuda || true)
+  if [ -n "$detected" ] && [ "$detected" -ge 13 ]; then cuda=13
+  elif [ -n "$detected" ] && [ "$detected" -eq 12 ]; then cuda=12
+  elif [ -n "$detected" ]; then die "the NVIDIA driver supports CUDA $detected; JAX $JAX_VERSION needs CUDA 12 or 13 (update the driver)"
+  else cuda=13; cuda_note="nvidia-smi not found or silent: assuming CUDA 13 (pass --cuda 12 for an older driver)"
+  fi
+fi
+if [ "$cuda" = 12 ]; then TORCH_VERSION=$TORCH_FOR_CUDA12; else TORCH_VERSION=$TORCH_FOR_CUDA13; fi
+REQUIREMENTS=("jax[cuda${cuda:-13}]==$JAX_VERSION" "torch==$TORCH_VERSION" "fla-core==$FLA_VERSION" "numpy")
+# Installed afterwards with --no-deps, over an exact pin of torch's: JAX's CUDA plugin refuses to start when a CUDA
+# library is older (major.minor) than the one it was built with, and torch 2.10 pins cuFFT 11.3 while jax-cuda12
+# 0.12.0.1 was built with cuFFT 11.4 (cuFFT keeps its ABI within a major version; fla does not use it anyway).
+# jax-cuda13 0.12.0.1 was built with CUDA 13.0 libraries, all at or below torch 2.13's pins.
+AFTER=()
+[ "$cuda" = 12 ] && AFTER=("nvidia-cufft-cu12==11.4.1.4")
+GPU_DIR=${GPU_CHECK_DIR:-$ROOT/.venv-gpu}  # env/ (the venv), uv-cache/ and jax-cache/ survive a failed install
+VENV=$GPU_DIR/env
+STAMP="$VENV/.gpu-check-requirements"
+
+stamp_matches() { [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}"); }
+
+find_python() {  # $PYTHON if set, else the repository's search (PATH, then pyenv's versions)
+  if [ -n "${PYTHON:-}" ]; then
+    "$PYTHON" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$PYTHON"; return 0; }
+    echo "PYTHON=$PYTHON is not a Python >= 3.12 with venv" >&2; return 1
+  fi
+  scripts/find_python.sh
+}
+
+if [ "$plan_only" = 1 ]; then
+  echo "gpu_check install plan (nothing is changed)"
+  echo "  mode:          $mode, budget ${budget} s, results in $out"
+  echo "  driver CUDA:   $(driver_cuda || true)${cuda_note:+ (${cuda_note})}"
+  echo "  python:        $(find_python 2>/dev/null || echo 'none >= 3.12 with venv found: install python3.12 or set PYTHON')"
+  echo "  venv:          $VENV$(stamp_matches && echo ' (up to date: reused)')"
+  echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION, installed into the venv by pip"); pip if uv's install fails"
+  echo "  requirements:  ${REQUIREMENTS[*]}"
+  [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
+  echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
+  echo "                 pallas_kernels from this checkout, and torch + fla for the peer)"
+  [ "$mode" = dry-run ] && echo "  (--dry-run installs nothing: it runs on the current Python in interpret mode)"
+  exit 0
+fi
+
+# ------------------------------------------------------------------------------------------ environment
+mkdir -p "$out" || die "cannot create the results folder $out"
+out=$(cd "$out" && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch (the fla peer) shares the GPU with JAX in one process
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+
+# uv downloads and unpacks in parallel (3.1 GB of wheels for CUDA 13, 4.4 GB for CUDA 12); pip is the fallback when
+# uv's install fails. uv comes from the registry too: when even it cannot be fetched (with few, short retries, so an
+# unreachable registry costs seconds, not minutes) the install gives up. uv does not read pip's configuration, so an
+# index-url set for pip on this machine (a registry mirror) is handed to it.
+install_venv() {
+  local base uv index t0; t0=$(date +%s)
+  base=$(find_python) || { echo "gpu_check: no Python >= 3.12 to build $VENV from (or set PYTHON)" >&2; return 1; }
+  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}}"
+  mkdir -p "$GPU_DIR" && echo '*' > "$GPU_DIR/.gitignore"
+  rm -rf "$VENV"
+  "$base" -m venv "$VENV" || { echo "gpu_check: '$base -m venv' failed (Debian/Ubuntu: apt-get install python3.12-venv)" >&2; return 1; }
+  uv=$(command -v uv || true)
+  if [ -z "$uv" ]; then
+    "$VENV/bin/python" -m pip install -q --retries 1 --timeout 20 "uv==$UV_VERSION" || {
+      echo "gpu_check: could not install uv==$UV_VERSION from the package registry (is it reachable?)" >&2; return 1; }
+    uv="$VENV/bin/uv"
+  fi
+  index=$("$VENV/bin/python" -m pip config get global.index-url 2>/dev/null || true)
+  export UV_CACHE_DIR=${UV_CACHE_DIR:-$GPU_DIR/uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}}
+  [ -n "$UV_DEFAULT_INDEX" ] || unset UV_DEFAULT_INDEX
+  if ! "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}"; then
+    echo "== uv's install failed: trying pip (slower)"
+    "$VENV/bin/python" -m pip install -q "${REQUIREMENTS[@]}" || return 1
+  fi
+  [ ${#AFTER[@]} -eq 0 ] || "$VENV/bin/python" -m pip install -q --no-deps "${AFTER[@]}" || return 1
+  printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}" > "$STAMP"
+  echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"
+}
+
+has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; }
+
+if [ "$mode" = dry-run ]; then
+  PY=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
+  export JAX_PLATFORMS=cpu
+  echo "== dry run on the CPU with $PY: Pallas in interpret mode, tiny shapes, no install, GPU peers skipped"
+elif [ "$install" = 0 ]; then
+  PY=${PYTHON:-python3}
+  echo "== --no-install: using $PY as it is"
+else
+  [ -n "${cuda_note:-}" ] && echo "== $cuda_note"
+  PY="$VENV/bin/python"
+  if [ -x "$PY" ] && stamp_matches && "$PY" -c 'import jax, torch, fla' 2>/dev/null; then
+    echo "== reusing $VENV (${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}})"
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$GPU_DIR/jax-cache}  # a rerun skips compiles
+  elif install_venv; then
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$GPU_DIR/jax-cache}
+  elif has_gpu_jax "${PYTHON:-python3}"; then
+    PY=${PYTHON:-python3}
+    echo "== the install failed; $PY already has JAX with a GPU: using it as it is (a peer it lacks is skipped)"
+  else
+    die "installing ${REQUIREMENTS[*]} into $VENV failed (see above: is the package registry reachable?); on a machine
+without it, install JAX with CUDA yourself and run with --no-install"
+  fi
+fi
+"$PY" -c 'import jax, numpy' 2>/dev/null || die "$PY cannot import jax and numpy (run without --no-install to install them)"
+if [ "$mode" != dry-run ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/== GPU: /' || true
+  has_gpu_jax "$PY" || die "JAX in $PY sees no GPU ($("$PY" -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)).
+On a GPU machine: check nvidia-smi, or pass --cuda 12 for a driver older than CUDA 13 (with --no-install: install
+jax[cuda12] or jax[cuda13]). Without a GPU: --dry-run"
+fi
+
+# ------------------------------------------------------------------------------------------ the checks
+# Each kernel script runs in its own process (a crash or a hung compile in one cannot take the other with it) under
+# a hard timeout a little past its deadline; flash attention gets half of what is left, gated delta the rest.
+# The correctness checks come first in each script; a kernel is given at least MIN_KERNEL_S even when the install
+# used up the budget, since a run that checks nothing is worth nothing.
+run_kernel() {  # name script deadline
+  local rc=0 deadline=$3 now; now=$(date +%s)
+  if [ "$deadline" -lt $((now + MIN_KERNEL_S)) ]; then
+    echo "== note: the budget is spent; $1 still gets ${MIN_KERNEL_S} s for its checks"
+    deadline=$((now + MIN_KERNEL_S))
+  fi
+  echo "== $1 (until $(date -d "@$deadline" +%T 2>/dev/null || echo "$deadline"))"
+  timeout --kill-after=10 $((deadline - now + 60)) "$PY" "bench/$2" --mode "$mode" --deadline "$deadline" --out "$out" || rc=$?
+  status+=(--status "$1=$rc")
+}
+status=()
+now=$(date +%s)
+SUMMARY_RESERVE=10
+MIN_KERNEL_S=$([ "$mode" = full ] && echo 60 || echo 30)
+run_kernel flash_attention gpu_check_flash_attention.py $(( now + (DEADLINE - SUMMARY_RESERVE - now) / 2 ))
+run_kernel gated_delta gpu_check_gated_delta.py $(( DEADLINE - SUMMARY_RESERVE ))
+echo "== finished in $(( $(date +%s) - START )) s (budget $budget s)"
+exec "$PY" bench/_gpu_check.py summarize --out "$out" "${status[@]}"

@@ -1,165 +1,155 @@
-"""Check and benchmark the Pallas flash-attention kernel on a GPU (or, with --quick, smoke-run on CPU).
+"""Check and benchmark the Pallas flash-attention kernel on a GPU (one part of bench/gpu_check.sh).
 
-  python bench/gpu_check_flash_attention.py            # on the GPU box (jax 0.11.2 + CUDA, H200)
-  python bench/gpu_check_flash_attention.py --quick    # anywhere: tiny shapes, Pallas in interpret mode
+    python bench/gpu_check_flash_attention.py [--mode full|quick|dry-run] [--deadline UNIX_TIME] [--out DIR]
 
-1. Correctness: Pallas fwd + grads vs the exact fp32 reference on a few shapes (GQA, ragged lengths,
-   causal offset, non-causal). bf16: Frobenius error vs an fp32 oracle must be <= 2x the reference's
-   own bf16 error; fp32: relative Frobenius error <= 1e-2 (Triton runs fp32 dots as TF32 by default).
-   Prints the errors; exits with status 1 on any mismatch.
-2. Speed: bf16, causal, T in {2K, 8K, 32K}, head_dim 64 and 128, B·H sized so every row is large
-   work; TFLOP/s with FLOPs = 4·B·T·S·H·D (halved when causal) for the forward and 3.5x that for
-   forward+backward (backward = 2.5x forward), beside the blockwise XLA path and cuDNN.
-Imports only jax, numpy and pallas_kernels (no network needed).
+1. Correctness of ``flash_attention(..., implementation="pallas")``: the output and dq, dk, dv against
+   ``attention_reference`` in float32 and bfloat16, at head_dim 64 and 128, 1, 4 and 8 query heads per KV head,
+   causal and not, lengths that are no block multiple, T ≠ S, a q_offset and a decode step (T = 1). The error
+   protocol and its limits are in bench/_gpu_check.py.
+2. Speed, bf16, causal, H = 16 heads (MHA), B·T = 32K tokens per row, T = 4K to 32K, head_dim 64 and 128, forward
+   and forward+backward, beside the peers measured in the same process: cuDNN's fused attention
+   (``jax.nn.dot_product_attention(..., implementation="cudnn")``), XLA's dense attention (the same call with
+   ``implementation="xla"``; only up to T = 8K since it materialises the B·H·T² scores) and this package's
+   blockwise XLA path (``implementation="xla"``).
+   FLOPs: the causal forward is 2·2·B·H·T²·D/2 (q·kᵀ and p·v, 2·T²·D each, half of the pairs masked); the backward
+   is 2.5x the forward (five matmuls: the scores recomputed, dv, dp, dq, dk), so forward+backward is 3.5x.
+Rows run most important first (D = 128 at 8K) and are skipped with a note once the time budget is spent.
+Imports only jax, numpy and this checkout's pallas_kernels.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
+from functools import cache, partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _gpu_check import Budget, Report, budgeted_rows, first_line, run_script, time_variants  # noqa: E402
 
 from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention  # noqa: E402
 
-F32 = jnp.float32
+F32, BF16 = jnp.float32, jnp.bfloat16
+NAMES = ("out", "dq", "dk", "dv")
+
+# (B, T, S, Hq, Hkv, D, causal, q_offset); every (D, group size, causal) pair the recipes use is covered at full.
+CASES = {
+    "full": [
+        (2, 1000, 1000, 8, 8, 64, True, None),
+        (1, 777, 1100, 16, 4, 64, False, None),
+        (1, 1500, 1500, 32, 4, 64, True, None),
+        (1, 600, 600, 16, 2, 64, False, None),
+        (1, 517, 1200, 16, 2, 128, True, 100),
+        (2, 300, 300, 8, 8, 128, False, None),
+        (1, 640, 640, 8, 2, 128, True, None),
+        (1, 700, 900, 32, 8, 128, False, None),
+        (1, 1, 4097, 8, 2, 128, True, None),
+    ],
+    "quick": [
+        (1, 777, 1100, 16, 4, 64, False, None),
+        (1, 517, 1200, 16, 2, 128, True, 100),
+        (2, 1000, 1000, 8, 8, 128, True, None),
+    ],
+    "dry-run": [  # the first has the benchmark row's shape: the dry run reuses its compilations
+        (1, 64, 64, 2, 2, 16, True, None),
+        (1, 33, 70, 4, 1, 32, False, None),
+    ],
+}
+# (D, T), most important first: the budget drops the tail.
+ROWS = {
+    "full": [(128, 8192), (64, 8192), (128, 32768), (64, 32768), (128, 4096), (64, 4096), (128, 16384), (64, 16384)],
+    "quick": [(128, 8192), (64, 8192), (128, 32768)],
+    "dry-run": [(16, 64)],
+}
+TOKENS = {"full": 32768, "quick": 32768, "dry-run": 64}  # B·T per row
+HEADS = {"full": 16, "quick": 16, "dry-run": 2}
+REPEATS = {"full": 10, "quick": 5, "dry-run": 1}
+SECONDS_PER_TIMING = {"full": 2.0, "quick": 1.0, "dry-run": 1.0}
+DENSE_MAX_T = 8192
 
 
 def _inputs(seed, b, t, s, hq, hkv, d, dtype):
     rng = np.random.default_rng(seed)
     shapes = [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, t, hq, d)]
-    return [jnp.asarray(rng.standard_normal(sh), dtype) for sh in shapes]
+    return [jnp.asarray(rng.standard_normal(sh, dtype=np.float32)).astype(dtype) for sh in shapes]
 
 
-def _fwd_grads(fn, q, k, v, do):
-    out, vjp = jax.vjp(fn, q, k, v)
+def _fwd_and_grads(attn, q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
     return (out, *vjp(do))
 
 
-def check(quick: bool) -> bool:
-    # (B, T, S, Hq, Hkv, D, causal, q_offset)
-    cases = (
-        [(1, 40, 40, 4, 2, 16, True, None), (1, 33, 70, 2, 1, 32, True, 10)]
-        if quick
-        else [
-            (2, 1000, 1000, 8, 2, 64, True, None),
-            (1, 517, 1200, 4, 4, 128, True, None),
-            (1, 300, 900, 6, 3, 64, True, 100),
-            (2, 256, 200, 4, 1, 64, False, None),
-            (1, 1, 4097, 8, 8, 128, True, None),
-        ]
-    )
-    ok = True
-    print("## correctness (Pallas fwd+grads vs fp32 reference)\n")
-    print("| shape (B,T,S,Hq,Hkv,D) | causal | q_offset | dtype | out | dq | dk | dv | ok |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, t, s, hq, hkv, d, causal, off in cases:
-        q, k, v, do = _inputs(0, b, t, s, hq, hkv, d, F32)
-        ref = lambda *a, causal=causal, off=off: attention_reference(*a, causal=causal, q_offset=off)
-        pal = lambda *a, causal=causal, off=off: flash_attention(
-            *a, causal=causal, q_offset=off, implementation="pallas"
-        )
-        oracle = _fwd_grads(ref, q, k, v, do)
-        for dtype in (F32, jnp.bfloat16):
-            args = [x.astype(dtype) for x in (q, k, v, do)]
-            exact = [x.astype(F32) for x in args]
-            oracle_d = oracle if dtype == F32 else _fwd_grads(ref, *exact)
-            got = _fwd_grads(pal, *args)
-            errs, row_ok = [], True
-            if dtype == F32:
-                for g, o in zip(got, oracle_d):
-                    rel = float(jnp.linalg.norm(g - o) / jnp.linalg.norm(o))
-                    errs.append(f"{rel:.1e} rel")
-                    row_ok &= bool(rel <= 1e-2)
-            else:
-                ref_bf16 = _fwd_grads(ref, *args)
-                for g, r, o in zip(got, ref_bf16, oracle_d):
-                    e, er = (float(jnp.linalg.norm(x.astype(F32) - o)) for x in (g, r))
-                    errs.append(f"{e / max(er, 1e-30):.2f}x ref")
-                    row_ok &= bool(e <= 2 * er)
-            ok &= row_ok
-            print(
-                f"| {(b, t, s, hq, hkv, d)} | {causal} | {off} | {jnp.dtype(dtype).name} | "
-                + " | ".join(errs)
-                + f" | {'yes' if row_ok else '**NO**'} |"
-            )
-    return ok
+@cache
+def jitted(impl: str, causal: bool = True, q_offset: int | None = None):
+    """(forward, forward+gradients) of one implementation, jitted once so checks and benchmark rows share
+    compilations. impl: "reference", "pallas" or "xla" (flash_attention) or "cudnn", "xla_dense"
+    (jax.nn.dot_product_attention, causal only)."""
+    if impl in ("cudnn", "xla_dense"):
+        dense = "xla" if impl == "xla_dense" else impl
+        attn = partial(jax.nn.dot_product_attention, is_causal=causal, implementation=dense)
+    elif impl == "reference":
+        attn = partial(attention_reference, causal=causal, q_offset=q_offset)
+    else:
+        attn = partial(flash_attention, causal=causal, q_offset=q_offset, implementation=impl)
+    return jax.jit(attn), jax.jit(partial(_fwd_and_grads, attn))
 
 
-def _time(fn, *args, min_time=0.3, max_iters=20):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    start = time.perf_counter()
-    while len(times) < max_iters and (time.perf_counter() - start < min_time or len(times) < 3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def run_checks(report: Report, budget: Budget, cases) -> None:
+    for seed, (b, t, s, hq, hkv, d, causal, q_offset) in enumerate(cases):
+        case = f"B={b} T={t} S={s} Hq={hq} Hkv={hkv} D={d} {'causal' if causal else 'non-causal'}"
+        case += f" q_offset={q_offset}" if q_offset is not None else ""
+        reference, pallas = jitted("reference", causal, q_offset)[1], jitted("pallas", causal, q_offset)[1]
+        x32 = _inputs(seed, b, t, s, hq, hkv, d, F32)
+        for dtype in (F32, BF16):
+            name = jnp.dtype(dtype).name
+            if not budget.allows(5):
+                report.check_skipped(case, name, f"time budget spent ({budget.left():.0f} s left)")
+                continue
+            x = [a.astype(dtype) for a in x32]
+            try:
+                oracle = reference(*(a.astype(F32) for a in x))  # fp32 on the same (rounded) inputs
+                got = pallas(*x)
+                report.check(case, name, NAMES, got, oracle, reference(*x) if dtype == BF16 else None)
+            except Exception as e:  # lowering / Triton compile / runtime error: a failed check, the others go on
+                report.check_error(case, name, e)
 
 
-def bench(quick: bool):
-    on_gpu = jax.default_backend() == "gpu"
-    lengths = [128, 256] if quick else [2048, 8192, 32768]
-    dims = [64] if quick else [64, 128]
-    tokens = 512 if quick else 65536  # B·T per row, so short sequences get a large batch
-    heads = 2 if quick else 16
-    impls = {"pallas": dict(implementation="pallas"), "xla": dict(implementation="xla")}
-    print("\n## speed (bf16, causal; TFLOP/s)\n")
-    print("| D | T | B | H | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for d in dims:
-        for t in lengths:
-            b = max(1, tokens // t)
-            q, k, v, do = _inputs(1, b, t, t, heads, heads, d, jnp.bfloat16)
-            flops_fwd = 4 * b * t * t * heads * d / 2
-            variants = {
-                name: (lambda q, k, v, kw=kw: flash_attention(q, k, v, causal=True, **kw)) for name, kw in impls.items()
-            }
-            if on_gpu:
-                variants["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-                    q, k, v, is_causal=True, implementation="cudnn"
-                )
-            for name, attn in variants.items():
-                fwd = jax.jit(attn)
-                fwd_bwd = jax.jit(lambda q, k, v, do, attn=attn: jax.vjp(attn, q, k, v)[1](do))
-                try:
-                    tf = _time(fwd, q, k, v)
-                    tb = _time(fwd_bwd, q, k, v, do)
-                except Exception as e:  # e.g. cuDNN unavailable for this shape/version: report, keep going
-                    print(f"| {d} | {t} | {b} | {heads} | {name} | n/a ({type(e).__name__}) | | | |")
-                    continue
-                print(
-                    f"| {d} | {t} | {b} | {heads} | {name} | {tf * 1e3:.2f} | {flops_fwd / tf / 1e12:.1f} "
-                    f"| {tb * 1e3:.2f} | {3.5 * flops_fwd / tb / 1e12:.1f} |",
-                    flush=True,
-                )
+def run_bench(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
+    if not on_gpu:
+        report.note("cudnn skipped: cuDNN attention needs a CUDA GPU (this run's backend is cpu)")
+    heads = HEADS[mode]
+    for d, t in budgeted_rows(report, budget, ROWS[mode], min_row_s=0 if mode == "dry-run" else 10):
+        b = max(1, TOKENS[mode] // t)
+        q, k, v, do = _inputs(1, b, t, t, heads, heads, d, BF16)
+        impls = ["pallas"] + ["cudnn"] * on_gpu + ["xla_dense"] * (t <= DENSE_MAX_T) + ["xla_blockwise"]
+        if t > DENSE_MAX_T and not any("xla_dense skipped" in n for n in report.notes):
+            report.note(f"xla_dense skipped above T={DENSE_MAX_T}: it materialises the B·H·T² score matrix")
+        flops_fwd = 2 * 2 * b * heads * t * t * d / 2
+        for direction, flops in (("fwd", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd)):
+            fns = {}
+            for name in impls:
+                fwd, fwd_bwd = jitted("xla" if name == "xla_blockwise" else name, True, None)
+                fns[name] = partial(fwd, q, k, v) if direction == "fwd" else partial(fwd_bwd, q, k, v, do)
+            row = dict(D=d, T=t, B=b, H=heads, direction=direction)
+            time_variants(report, fns, flops=flops, row=row, repeats=REPEATS[mode], seconds=SECONDS_PER_TIMING[mode])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes; on a CPU the Pallas kernel runs in interpret mode"
-    )
-    parser.add_argument("--skip-bench", action="store_true", help="only the correctness check")
-    args = parser.parse_args()
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
-    if not args.quick and jax.default_backend() != "gpu":
-        sys.exit("no GPU found: run with --quick for the CPU smoke test")
-    print("default block sizes:", BlockSizes.default("gpu"), "\n")
-    ok = check(args.quick)
-    if not args.skip_bench:
-        bench(args.quick)
-    if not ok:
-        print("\nMISMATCH: see the table above", file=sys.stderr)
-        sys.exit(1)
-    print("\nall checks passed")
+def steps(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
+    try:  # informative only: the block table may change shape while the kernels are tuned
+        report.info["pallas blocks"] = str(BlockSizes.default("gpu"))
+    except Exception as e:
+        report.info["pallas blocks"] = f"unknown ({first_line(e)})"
+    run_checks(report, budget, CASES[mode])
+    run_bench(report, budget, mode, on_gpu)
+
+
+def main(argv=None) -> int:
+    return run_script("flash_attention", __doc__.splitlines()[0], argv, steps)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

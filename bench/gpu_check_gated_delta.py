@@ -1,157 +1,257 @@
-"""Check and benchmark the Pallas gated delta rule kernel on a GPU (or smoke-run it on CPU with --quick).
+"""Check and benchmark the Pallas gated delta rule kernel on a GPU (one part of bench/gpu_check.sh).
 
-    python bench/gpu_check_gated_delta.py            # GPU: correctness checks, then a bf16 benchmark table
-    python bench/gpu_check_gated_delta.py --quick    # CPU: interpret mode, tiny shapes (checks the script)
+    python bench/gpu_check_gated_delta.py [--mode full|quick|dry-run] [--deadline UNIX_TIME] [--out DIR]
 
-Needs only jax, numpy and this checkout's pallas_kernels (no network, no other packages). Exits
-non-zero with a message on any mismatch. GB/s counts the bytes a kernel must move at least: q, k, v,
-g, beta read and o written, in the input dtype (the W/U/state traffic of the chunked algorithm is
-extra, so this is a lower bound on real traffic).
+1. Correctness of ``chunk_gated_delta_rule(..., implementation="pallas")`` with an initial state, the final state
+   and q/k L2 norm (as the model calls it): the output, the final state and the gradients of q, k, v, g, beta and
+   the initial state against the token-by-token ``naive_gated_delta_rule`` (fp32 inputs, as in
+   tests/test_gated_delta.py), in float32 and bfloat16, at K = V = 64 and 128 and lengths that are no chunk
+   multiple. The error protocol and its limits are in bench/_gpu_check.py.
+2. Speed, bf16, H = 16 heads, B·T = 32K tokens per row, T = 4K to 32K, K = V = 64 and 128, forward and
+   forward+backward, beside the peers measured in the same process on the same inputs (copied bit for bit):
+   flash-linear-attention's Triton kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, torch) and this
+   package's chunked XLA path (``implementation="xla"``). fla's output is first compared with the reference, so
+   its timings are known to compute the same thing.
+   FLOPs of the chunked algorithm per chunk of C = 64 tokens and head (every matmul of its forward):
+       A = (β⊙k)·kᵀ 2C²K,  (I + A)⁻¹ C³/3,  w = A⁻¹·(β⊙k⊙eᵍ) 2C²K,  u = A⁻¹·(β⊙v) 2C²V,
+       u − w·h 2CKV,  h += kᵀ·(u − w·h) 2CKV,  q·h 2CKV,  q·kᵀ 2C²K,  (q·kᵀ ⊙ M)·(u − w·h) 2C²V
+   = 6C²K + 4C²V + 6CKV + C³/3. The backward counts 2x the forward (each product A·B needs dA and dB;
+   recomputation is not counted as work), so forward+backward is 3x.
+Rows run most important first (K = V = 128 at 8K) and are skipped with a note once the time budget is spent.
+Imports jax, numpy and this checkout's pallas_kernels; torch and fla only for the peer, when installed.
 """
 
 from __future__ import annotations
 
-import argparse
+import math
 import os
 import sys
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _gpu_check import Budget, Report, budgeted_rows, first_line, rel_err, run_script, time_variants  # noqa: E402
 
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule  # noqa: E402
 
+F32, BF16 = jnp.float32, jnp.bfloat16
+NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+CHUNK = 64
+# fla vs the reference on the same bf16 inputs: bf16 outputs and bf16 dots give ~1e-2 at most; another scale, norm or
+# decay convention gives O(1).
+PEER_AGREEMENT = 5e-2
 
-def make_inputs(B, T, H, K, V, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (B, T, H, K), jnp.float32)
-    k = jax.random.normal(ks[1], (B, T, H, K), jnp.float32)
-    v = jax.random.normal(ks[2], (B, T, H, V), jnp.float32)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H)) - 1.0)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    s0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V), jnp.float32)
-    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (s0,)
+CASES = {  # (B, T, H, K, V)
+    "full": [(2, 300, 4, 64, 64), (1, 1000, 2, 128, 128), (1, 4100, 2, 128, 128)],
+    "quick": [(2, 300, 4, 64, 64), (1, 1000, 2, 128, 128)],
+    "dry-run": [(1, 50, 2, 16, 16)],
+}
+ROWS = {  # (D = K = V, T), most important first: the budget drops the tail
+    "full": [(128, 8192), (64, 8192), (128, 32768), (64, 32768), (128, 4096), (64, 4096), (128, 16384), (64, 16384)],
+    "quick": [(128, 8192), (64, 8192), (128, 32768)],
+    "dry-run": [(16, 50)],  # the check case's shape: the dry run reuses its compilations
+}
+TOKENS = {"full": 32768, "quick": 32768, "dry-run": 50}  # B·T per row
+HEADS = {"full": 16, "quick": 16, "dry-run": 2}
+REPEATS = {"full": 10, "quick": 5, "dry-run": 1}
+SECONDS_PER_TIMING = {"full": 2.0, "quick": 1.0, "dry-run": 1.0}
+
+
+def gdn_flops_fwd(b: int, t: int, h: int, k: int, v: int, c: int = CHUNK) -> float:
+    """Forward FLOPs of the chunked gated delta rule (the matmuls listed in the module docstring)."""
+    per_chunk = 6 * c * c * k + 4 * c * c * v + 6 * c * k * v + c**3 / 3
+    return b * h * math.ceil(t / c) * per_chunk
+
+
+def make_inputs(b, t, h, k, v, seed=0):
+    """fp32 (q, k, v, g, beta, h0) and cotangents (do, dstate); g = log decay ≤ 0, beta in (0, 1)."""
+    ks = jax.random.split(jax.random.key(seed), 8)
+    args = (
+        jax.random.normal(ks[0], (b, t, h, k)),
+        jax.random.normal(ks[1], (b, t, h, k)),
+        jax.random.normal(ks[2], (b, t, h, v)),
+        -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h)) - 1.0),
+        jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))),
+        0.5 * jax.random.normal(ks[5], (b, h, k, v)),
+    )
+    cot = (jax.random.normal(ks[6], (b, t, h, v)), jax.random.normal(ks[7], (b, h, k, v)))
+    return args, cot
 
 
 def gdn(impl):
-    def fn(q, k, v, g, beta, s0):
-        if impl == "reference":
-            return naive_gated_delta_rule(
-                q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True
-            )
-        return chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, implementation=impl
-        )
-
-    return fn
-
-
-def loss_of(fn):
-    def loss(*args):
-        o, s = fn(*args)
-        w = jnp.cos(jnp.arange(o.shape[-1], dtype=jnp.float32))
-        return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(s)
-
-    return loss
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def check(shapes, oracle_impl):
-    """Pallas fwd + grads vs an fp32 oracle; bf16 judged against the XLA path's own bf16 error."""
-    names = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "ds0")
-    failed = []
-    for B, T, H, K, V in shapes:
-        f32 = make_inputs(B, T, H, K, V, jnp.float32)
-        bf16 = tuple(x.astype(jnp.bfloat16) for x in f32[:5]) + (f32[5],)
-
-        def run(impl, args):
-            out = jax.jit(gdn(impl))(*args)
-            grads = jax.jit(jax.grad(loss_of(gdn(impl)), argnums=range(6)))(*args)
-            return [np.asarray(x.astype(jnp.float32)) for x in (*out, *grads)]
-
-        oracle = run(oracle_impl, f32)
-        pal32, pal16, xla16 = run("pallas", f32), run("pallas", bf16), run("xla", bf16)
-        for name, p32, p16, x16, want in zip(names, pal32, pal16, xla16, oracle):
-            e32, e16, base16 = rel_err(p32, want), rel_err(p16, want), rel_err(x16, want)
-            ok = e32 < 1e-4 and e16 <= 2 * base16 + 1e-3
-            print(
-                f"  B={B} T={T} H={H} K={K} V={V} {name:6s} f32 rel err {e32:.2e}   bf16 rel err {e16:.2e} "
-                f"(xla bf16 {base16:.2e})  {'ok' if ok else 'MISMATCH'}"
-            )
-            if not ok:
-                failed.append((B, T, H, K, V, name))
-    if failed:
-        raise SystemExit(f"FAILED: Pallas gated delta rule disagrees with the {oracle_impl} oracle on {failed}")
-    print("all checks passed\n")
-
-
-def timed(fn, args, iters):
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile + warm up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def bench(Ts, Ds, B, H, iters):
-    print(
-        f"bf16 inputs, B={B}, H={H}, K=V=D, use_qk_l2norm, chunk 64, median of {iters} runs "
-        f"(backend: {jax.default_backend()})\n"
+    """(q, k, v, g, beta, h0) -> (o, final_state) as the model calls it: initial state, q/k L2 norm."""
+    kw = dict(output_final_state=True, use_qk_l2norm=True)
+    if impl == "reference":
+        return lambda q, k, v, g, beta, h0: naive_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
+    return lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, chunk_size=CHUNK, implementation=impl, **kw
     )
-    print("| T | D | impl | fwd ms | fwd Mtok/s | fwd GB/s | fwd+bwd ms | fwd+bwd Mtok/s |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
-    for T in Ts:
-        for D in Ds:
-            args = make_inputs(B, T, H, D, D, jnp.bfloat16)
-            nbytes = sum(x.size * x.dtype.itemsize for x in args[:5]) + B * T * H * D * 2
-            for impl in ("pallas", "xla"):
-                fwd = jax.jit(lambda *a, impl=impl: gdn(impl)(*a)[0])
-                bwd = jax.jit(jax.grad(loss_of(gdn(impl)), argnums=range(6)))
-                try:
-                    tf, tb = timed(fwd, args, iters), timed(bwd, args, iters)
-                except Exception as e:  # e.g. out of memory for the XLA path at long T: report, go on
-                    print(f"| {T} | {D} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||")
-                    continue
-                tok = B * T
-                print(
-                    f"| {T} | {D} | {impl} | {tf * 1e3:.2f} | {tok / tf / 1e6:.3g} | {nbytes / tf / 1e9:.3g} | "
-                    f"{tb * 1e3:.2f} | {tok / tb / 1e6:.3g} |",
-                    flush=True,
-                )
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes; on CPU the kernel runs in interpret mode")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--skip-check", action="store_true")
-    args = ap.parse_args()
-    print(f"jax {jax.__version__}, devices: {jax.devices()}")
-    if jax.default_backend() not in ("gpu",) and not args.quick:
-        raise SystemExit("no GPU found: run with --quick for a CPU smoke run in interpret mode")
-    if args.quick:
-        if not args.skip_check:
-            check([(1, 50, 2, 16, 16)], "reference")
-        bench(Ts=(64, 256), Ds=(16, 32), B=1, H=2, iters=2)
-        return
-    if not args.skip_check:
-        # Ragged T (not chunk multiples), both head sizes, the reference scan as oracle where it is cheap.
-        check([(2, 300, 4, 64, 64), (1, 1000, 2, 128, 128)], "reference")
-        check([(1, 4100, 4, 128, 128)], "xla")
-    bench(Ts=(2048, 8192, 32768), Ds=(64, 128), B=args.batch, H=args.heads, iters=args.iters)
+def _fwd_and_grads(fn, args, cot):
+    out, vjp = jax.vjp(fn, *args)
+    return (*out, *vjp(cot))
+
+
+@cache
+def jitted(impl):
+    """(forward, forward+gradients) of ``impl``, jitted once so checks and benchmark rows share compilations."""
+    return jax.jit(gdn(impl)), jax.jit(partial(_fwd_and_grads, gdn(impl)))
+
+
+def _cast(args, cot, dtype):
+    """Inputs in ``dtype`` except the fp32 initial state (the API keeps states in fp32); cotangents to match."""
+    return tuple(a.astype(dtype) for a in args[:5]) + (args[5],), (cot[0].astype(dtype), cot[1])
+
+
+# ---------------------------------------------------------------------------------------------- the fla peer
+def load_fla(report: Report, on_gpu: bool):
+    """flash-linear-attention's chunk_gated_delta_rule, or None with a note saying why it is skipped."""
+    if not on_gpu:
+        report.note("fla skipped: flash-linear-attention runs on a CUDA GPU only (this run's backend is cpu)")
+        return None
+    try:
+        from importlib.metadata import version
+
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
+        report.info.update(torch=torch.__version__, fla=version("fla-core"))
+        return fla_gdn
+    except Exception as e:  # not installed (gpu_check.sh --no-install) or unusable: no ratio, say why
+        report.note(f"fla skipped: {first_line(e)} (bench/gpu_check.sh installs fla-core with torch)")
+        return None
+
+
+def to_torch(x, device="cuda"):
+    """A JAX array as a torch tensor with the same bits (bf16 travels as uint16: torch.from_numpy has no bf16)."""
+    import torch
+
+    a = np.array(x)  # a writable, contiguous copy: torch.from_numpy shares its buffer
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(a).to(device)
+
+
+@dataclass
+class TorchPeer:
+    """The torch peer on one input set: ``fwd`` and ``fwd_bwd`` return once the device is done (for timing),
+    ``values`` returns (o, final_state), ``leaves`` are the inputs whose ``.grad`` fwd_bwd fills."""
+
+    fwd: Callable[[], None]
+    fwd_bwd: Callable[[], None]
+    values: Callable[[], tuple]
+    leaves: list
+
+
+def torch_peer(fla_gdn, args, cot, device="cuda") -> TorchPeer:
+    """Wrap ``fla_gdn`` (fla's signature: q, k, v, g, beta [B,T,H,·], initial_state, ...) on copies of JAX inputs."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    leaves = [to_torch(a, device).requires_grad_(True) for a in args]
+    do, dstate = (to_torch(c, device) for c in cot)
+    call = partial(fla_gdn, *leaves[:5], initial_state=leaves[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def fwd():
+        with torch.no_grad():
+            call()
+        sync()
+
+    def fwd_bwd():
+        for leaf in leaves:
+            leaf.grad = None
+        o, state = call()
+        torch.autograd.backward([o, state], [do, dstate])
+        sync()
+
+    def values():
+        with torch.no_grad():
+            return call()
+
+    return TorchPeer(fwd, fwd_bwd, values, leaves)
+
+
+def check_fla_agreement(report: Report, fla_gdn, case, device="cuda") -> bool:
+    """fla's output and final state on bf16 inputs (the benchmark's dtype) vs the fp32 reference on the same rounded
+    inputs: the peer must compute the same function for its timings to mean anything."""
+    args, cot = _cast(*make_inputs(*case, seed=1), BF16)
+    want = jax.jit(gdn("reference"))(*(a.astype(F32) for a in args))
+    got = torch_peer(fla_gdn, args, cot, device).values()
+    errs = [rel_err(g.float().cpu().numpy(), w) for g, w in zip(got, want)]
+    verdict = "agrees" if max(errs) <= PEER_AGREEMENT else "DISAGREES (its timings compare different math)"
+    report.note(f"fla {verdict} with the reference at (B,T,H,K,V)={case}, bf16: o {errs[0]:.1e}, state {errs[1]:.1e}")
+    return max(errs) <= PEER_AGREEMENT
+
+
+# ---------------------------------------------------------------------------------------------- steps
+def run_checks(report: Report, budget: Budget, cases) -> None:
+    reference, pallas = jitted("reference")[1], jitted("pallas")[1]
+    for seed, (b, t, h, k, v) in enumerate(cases):
+        case = f"B={b} T={t} H={h} K={k} V={v}"
+        args, cot = make_inputs(b, t, h, k, v, seed=seed)
+        oracle = None
+        for dtype in (F32, BF16):
+            name = jnp.dtype(dtype).name
+            if not budget.allows(5):
+                report.check_skipped(case, name, f"time budget spent ({budget.left():.0f} s left)")
+                continue
+            x, c = _cast(args, cot, dtype)
+            try:
+                oracle = reference(args, cot) if oracle is None else oracle  # fp32 inputs, as the tests do
+                got = pallas(x, c)
+                report.check(case, name, NAMES, got, oracle, reference(x, c) if dtype == BF16 else None)
+            except Exception as e:  # lowering / Triton compile / runtime error: a failed check, the others go on
+                report.check_error(case, name, e)
+
+
+def run_bench(report: Report, budget: Budget, mode: str, fla_gdn) -> None:
+    heads = HEADS[mode]
+    for d, t in budgeted_rows(report, budget, ROWS[mode], min_row_s=0 if mode == "dry-run" else 10):
+        b = max(1, TOKENS[mode] // t)
+        args, cot = _cast(*make_inputs(b, t, heads, d, d, seed=2), BF16)
+        calls = {"fwd": {}, "fwd+bwd": {}}
+        for impl in ("pallas", "xla"):
+            fwd, fwd_bwd = jitted(impl)
+            calls["fwd"][impl], calls["fwd+bwd"][impl] = partial(fwd, *args), partial(fwd_bwd, args, cot)
+        if fla_gdn is not None:
+            try:
+                peer = torch_peer(fla_gdn, args, cot)
+                calls["fwd"]["fla"], calls["fwd+bwd"]["fla"] = peer.fwd, peer.fwd_bwd
+            except Exception as e:  # e.g. out of memory copying the inputs: this row has no fla column
+                report.note(f"fla skipped at D={d} T={t}: {first_line(e)}")
+        flops_fwd = gdn_flops_fwd(b, t, heads, d, d)
+        for direction, flops in (("fwd", flops_fwd), ("fwd+bwd", 3 * flops_fwd)):
+            row = dict(D=d, T=t, B=b, H=heads, direction=direction)
+            time_variants(
+                report, calls[direction], flops=flops, row=row, repeats=REPEATS[mode], seconds=SECONDS_PER_TIMING[mode]
+            )
+
+
+def steps(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
+    report.info["chunk"] = CHUNK
+    run_checks(report, budget, CASES[mode])
+    fla_gdn = load_fla(report, on_gpu)
+    if fla_gdn is not None:
+        try:
+            check_fla_agreement(report, fla_gdn, CASES[mode][0])
+        except Exception as e:  # the peer failing is reported, never a failure of our kernel
+            report.note(f"fla skipped: its agreement check raised {first_line(e)}")
+            fla_gdn = None
+    run_bench(report, budget, mode, fla_gdn)
+
+
+def main(argv=None) -> int:
+    return run_script("gated_delta", __doc__.splitlines()[0], argv, steps)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

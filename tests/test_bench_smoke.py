@@ -85,3 +85,181 @@ def test_gated_delta_quick_via_run_all():
     assert "agreement (T=256)" in proc.stdout
     rows = _table_rows(proc.stdout, "T")
     assert [r[:2] for r in rows] == [["256", "forward"], ["256", "fwd+bwd"]]
+
+
+# ---------------------------------------------------------------------------------------------- bench/gpu_check.sh
+GPU_CHECK = BENCH / "gpu_check.sh"
+
+
+def _gpu_check(*args, timeout=600, **env):
+    import os
+
+    full_env = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(
+        ["bash", str(GPU_CHECK), *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    """The whole GPU check on the CPU: both kernels checked in interpret mode, one benchmark row each, GPU peers
+    skipped with a reason, the summary verdict first, and the Markdown + JSON written where asked."""
+    import json
+
+    out = tmp_path / "results"
+    proc = _gpu_check("--dry-run", "--out", str(out))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    summary = proc.stdout.split("== finished in", 1)[1].splitlines()[1:]
+    assert summary[0].startswith("GPU CHECK PASSED: 6 value+gradient checks"), summary[:3]
+    assert "cudnn skipped: cuDNN attention needs a CUDA GPU" in log
+    assert "fla skipped: flash-linear-attention runs on a CUDA GPU only" in log
+
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert data["status"] == {"flash_attention": 0, "gated_delta": 0}
+    reports = data["reports"]
+    # Every check compared every output and gradient, within its limit.
+    names = {"flash_attention": {"out", "dq", "dk", "dv"}, "gated_delta": {"o", "state", "dq", "dk", "dv", "dg"}}
+    for kernel, rep in reports.items():
+        assert [c["dtype"] for c in rep["checks"]] == ["float32", "bfloat16"] * (len(rep["checks"]) // 2)
+        for c in rep["checks"]:
+            assert c["status"] == "ok" and names[kernel] <= set(c["errors"]), c
+            assert all(0 <= c["errors"][n] <= c["limits"][n] for n in c["errors"]), c
+    # One benchmark row per kernel, forward and forward+backward, every CPU-capable implementation timed.
+    impls = {"flash_attention": {"pallas", "xla_dense", "xla_blockwise"}, "gated_delta": {"pallas", "xla"}}
+    for kernel, rep in reports.items():
+        for direction in ("fwd", "fwd+bwd"):
+            timed = {r["impl"]: r for r in rep["bench"] if r["direction"] == direction}
+            assert set(timed) == impls[kernel], (kernel, direction, timed)
+            assert all(r["ms"] > 0 and math.isfinite(r["tflops"]) for r in timed.values())
+    # The Markdown table's ratio column is peer time / Pallas time of the JSON rows.
+    fa = {(r["direction"], r["impl"]): r["ms"] for r in reports["flash_attention"]["bench"]}
+    md = (out / "gpu_check.md").read_text()
+    ratio = fa[("fwd", "xla_blockwise")] / fa[("fwd", "pallas")]
+    fwd_line = next(line for line in md.splitlines() if line.startswith("| 16 | 64 |") and "| fwd |" in line)
+    assert fwd_line.rstrip(" |").endswith(f"{ratio:.2f}x"), fwd_line
+    assert (out / "flash_attention.md").exists() and (out / "gated_delta.json").exists()
+
+
+def test_gpu_check_install_plan_and_usage_errors(tmp_path):
+    out = tmp_path / "never-created"
+    plan = _gpu_check("--print-install-plan", "--cuda", "12", "--out", str(out), timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    assert "jax[cuda12]==0.12.0.1 torch==2.10.0 fla-core==0.6.0" in plan.stdout
+    # torch 2.10 pins a cuFFT older than the one jax-cuda12 was built with; JAX would refuse to start with it.
+    assert "then, --no-deps: nvidia-cufft-cu12==11.4.1.4" in plan.stdout
+    plan13 = _gpu_check("--print-install-plan", "--cuda", "13", timeout=60)
+    assert "jax[cuda13]==0.12.0.1 torch==2.13.0 fla-core==0.6.0" in plan13.stdout and "--no-deps" not in plan13.stdout
+    assert not out.exists()  # the plan changes nothing
+    for bad, message in ((["--cuda", "11"], "--cuda takes 12 or 13"), (["--budget", "soon"], "whole seconds")):
+        proc = _gpu_check(*bad, timeout=60)
+        assert proc.returncode == 64 and message in proc.stderr, (bad, proc.stderr)
+    proc = _gpu_check("--frobnicate", timeout=60)
+    assert proc.returncode == 64 and "unknown argument '--frobnicate'" in proc.stderr
+
+
+def _report(kernel, checks):
+    return {"kernel": kernel, "mode": "full", "out": "", "checks": checks, "bench": [], "notes": [], "info": {}}
+
+
+def test_gpu_check_summary_names_failures_first_and_sets_the_exit_code(tmp_path, capsys):
+    import json
+
+    import _gpu_check
+
+    ok = {"case": "c0", "dtype": "float32", "status": "ok", "errors": {"o": 1e-6}, "limits": {"o": 5e-3}, "bad": []}
+    bad = {**ok, "case": "c1", "dtype": "bfloat16", "status": "fail", "errors": {"o": 0.3}, "bad": ["o"]}
+    skipped = {"case": "c2", "dtype": "float32", "status": "not run", "error": "time budget", "bad": []}
+    write = lambda kernel, checks: (tmp_path / f"{kernel}.json").write_text(json.dumps(_report(kernel, checks)))
+
+    write("flash_attention", [ok, bad])
+    write("gated_delta", [ok])
+    assert _gpu_check.summarize(tmp_path, {"flash_attention": 1, "gated_delta": 0}) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "GPU CHECK FAILED (1): flash_attention c1 bfloat16"
+
+    write("flash_attention", [ok, skipped])  # nothing failed, but not everything ran
+    assert _gpu_check.summarize(tmp_path, {"flash_attention": 0, "gated_delta": 0}) == 2
+    assert capsys.readouterr().out.startswith("GPU CHECK INCOMPLETE: 1 checks not run")
+
+    (tmp_path / "gated_delta.json").unlink()  # a script killed by its timeout writes nothing
+    write("flash_attention", [ok])
+    assert _gpu_check.summarize(tmp_path, {"flash_attention": 0, "gated_delta": 124}) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "gated_delta: script exited 124 (timed out)" in first and "gated_delta: no report written" in first
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["verdict"] == first
+
+
+def test_gpu_check_error_limits(tmp_path):
+    """fp32 rows are held to F32_TOLERANCE; bf16 rows to 2x the baseline's own error against the same oracle."""
+    import _gpu_check
+    import numpy as np
+
+    want = np.linspace(1.0, 2.0, 100)
+    rep = _gpu_check.Report("gated_delta", "full", tmp_path)
+    tol = _gpu_check.F32_TOLERANCE
+    assert rep.check("a", "float32", ["o"], [want * (1 + 0.9 * tol)], [want])  # relative error 0.9 tol
+    assert not rep.check("b", "float32", ["o"], [want * (1 + 1.1 * tol)], [want])
+    base = want * (1 + 1e-2)  # the reference's own bf16 error: 1e-2
+    assert rep.check("c", "bfloat16", ["o"], [want * (1 - 1.9e-2)], [want], [base])
+    assert not rep.check("d", "bfloat16", ["o"], [want * (1 + 2.1e-2)], [want], [base])
+    assert not rep.check("e", "float32", ["o"], [want * np.nan], [want])  # NaN never passes
+    assert rep.failures() == ["b float32 (o)", "d bfloat16 (o)", "e float32 (o)"]
+    assert rep.checks[2]["limits"]["o"] == pytest.approx(2e-2)
+
+
+def test_gated_delta_flop_count_by_hand():
+    import gpu_check_gated_delta as gd
+
+    # One chunk of 64 tokens, K = V = 64: 64³·(6 + 4 + 6) + 64³/3 (module docstring's per-chunk sum).
+    assert gd.gdn_flops_fwd(1, 64, 1, 64, 64) == pytest.approx(64**3 * (16 + 1 / 3))
+    # A ragged length pays for its last partial chunk; batch and heads multiply.
+    assert gd.gdn_flops_fwd(2, 65, 3, 64, 64) == pytest.approx(2 * 3 * 2 * 64**3 * (16 + 1 / 3))
+    # K = 128, V = 64: 6C²K + 4C²V + 6CKV + C³/3 with C = 64.
+    c = 64
+    assert gd.gdn_flops_fwd(1, 64, 1, 128, 64) == pytest.approx(
+        6 * c * c * 128 + 4 * c * c * 64 + 6 * c * 128 * 64 + c**3 / 3
+    )
+
+
+def test_gated_delta_peer_gets_the_same_bits():
+    """The fla peer's inputs are the JAX arrays bit for bit (bf16 included), so both sides time the same problem."""
+    import gpu_check_gated_delta as gd
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 5)), jnp.float32)
+    for dtype, torch_dtype in ((jnp.bfloat16, torch.bfloat16), (jnp.float32, torch.float32)):
+        t = gd.to_torch(x.astype(dtype)[:, 1:], device="cpu")  # a strided slice: copied contiguous
+        assert t.dtype == torch_dtype and tuple(t.shape) == (2, 2, 5)
+        np.testing.assert_array_equal(t.float().numpy(), np.asarray(x.astype(dtype)[:, 1:].astype(jnp.float32)))
+
+
+@pytest.mark.slow
+def test_gated_delta_peer_calls_on_cpu(tmp_path):
+    """The fla-peer code path (argument names, initial/final state, backward, agreement check) on the CPU, with
+    transformers' torch chunked rule standing in for fla: it takes fla's arguments and computes the same function."""
+    import gpu_check_gated_delta as gd
+    import jax
+    import numpy as np
+    from _gpu_check import Report
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule as rule
+
+    case = (1, 70, 2, 16, 16)
+    report = Report("gated_delta", "dry-run", tmp_path)
+    assert gd.check_fla_agreement(report, rule, case, device="cpu")
+    assert report.notes[-1].startswith(f"fla agrees with the reference at (B,T,H,K,V)={case}")
+    # Gradients: both cotangents (output and final state) reach the peer, and a second call does not accumulate.
+    args, cot = gd.make_inputs(*case)
+    peer = gd.torch_peer(rule, args, cot, device="cpu")
+    peer.fwd()
+    peer.fwd_bwd()
+    peer.fwd_bwd()
+    want = jax.jit(gd._fwd_and_grads, static_argnums=0)(gd.gdn("reference"), args, cot)[2:]
+    for name, leaf, w in zip(("q", "k", "v", "g", "beta", "h0"), peer.leaves, want):
+        np.testing.assert_allclose(leaf.grad.numpy(), np.asarray(w), rtol=2e-3, atol=2e-4, err_msg=name)
+    # A peer computing something else is caught (here: no q/k L2 norm).
+    unnormalised = lambda *a, **kw: rule(*a, **{**kw, "use_qk_l2norm_in_kernel": False})
+    assert not gd.check_fla_agreement(report, unnormalised, case, device="cpu")
+    assert "DISAGREES" in report.notes[-1]
