@@ -14,7 +14,8 @@
 #   --cuda 12|13        CUDA wheels to install (default: from the driver's CUDA version that nvidia-smi reports;
 #                       13: jax[cuda13] + torch 2.13, which share one CUDA 13 stack; 12: jax[cuda12] + torch 2.10,
 #                       the newest torch on PyPI built for CUDA 12)
-#   --no-install        use $PYTHON (default python3) as it is; peers that are not importable are skipped
+#   --no-install        use $PYTHON (default python3) as it is; peers that are not importable are skipped, except
+#                       fla, which is added from .venv-gpu/wheels (--fetch-wheels) when the wheels are there
 #   --budget SECONDS    wall-clock budget of the whole run including the install (default 480, --quick 180;
 #                       --dry-run 600, a limit for a loaded CI box: it takes under a minute on an idle 2-core CPU);
 #                       what is left when it is spent is skipped with a printed note
@@ -37,7 +38,7 @@ TORCH_FOR_CUDA13=2.13.0
 TORCH_FOR_CUDA12=2.10.0
 UV_VERSION=0.13.8
 
-mode=full dry=0 cuda="" install=1 plan_only=0 budget="" out="${OUT:-$ROOT/bench/results/gpu}"
+mode=full dry=0 cuda="" install=1 plan_only=0 fetch_wheels=0 budget="" out="${OUT:-$ROOT/bench/results/gpu}"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "gpu_check: $1" >&2; exit "${2:-69}"; }
 while [ $# -gt 0 ]; do
@@ -46,6 +47,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --no-install) install=0 ;;
     --print-install-plan) plan_only=1 ;;
+    --fetch-wheels) fetch_wheels=1 ;;
     --cuda) [ $# -ge 2 ] || die "--cuda needs 12 or 13" 64; cuda=$2; shift ;;
     --cuda=*) cuda=${1#*=} ;;
     --budget) [ $# -ge 2 ] || die "--budget needs a number of seconds" 64; budget=$2; shift ;;
@@ -85,6 +87,7 @@ AFTER=()
 GPU_DIR=${GPU_CHECK_DIR:-$ROOT/.venv-gpu}  # env/ (the venv), uv-cache/ and jax-cache/ survive a failed install
 VENV=$GPU_DIR/env
 STAMP="$VENV/.gpu-check-requirements"
+WHEELS=$GPU_DIR/wheels
 
 stamp_matches() { [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}"); }
 
@@ -107,6 +110,7 @@ if [ "$plan_only" = 1 ]; then
   [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
   echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
   echo "                 pallas_kernels from this checkout, and torch + fla for the peer)"
+  echo "  offline peer:  $(compgen -G "$WHEELS/fla_core-*.whl" >/dev/null && echo "wheels in $WHEELS" || echo "none kept (bash bench/gpu_check.sh --fetch-wheels)")"
   [ "$mode" = dry-run ] && echo "  (--dry-run installs nothing: it runs on the current Python in interpret mode)"
   exit 0
 fi
@@ -147,7 +151,32 @@ install_venv() {
   echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"
 }
 
+# A GPU machine without the registry (a lent device box reaches nothing outside) still gets the fla peer: its wheel
+# and einops' are pure Python, kept in $WHEELS by --fetch-wheels on a machine that has the registry, and installed
+# with --no-index into a folder on PYTHONPATH (torch and triton come from the machine's own Python).
+WHEELS_PINNED=("fla-core==$FLA_VERSION" "einops")
+fetch_wheels() {
+  local base; base=$(find_python) || die "no Python >= 3.12 to run pip with (or set PYTHON)"
+  mkdir -p "$WHEELS" && echo '*' > "$GPU_DIR/.gitignore"
+  "$base" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${WHEELS_PINNED[@]}" \
+    || die "could not download ${WHEELS_PINNED[*]} (is the package registry reachable?)"
+  echo "== kept in $WHEELS: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
+}
+add_offline_fla() {  # python: when it cannot import fla, unpack the kept wheels into a folder put on PYTHONPATH
+  local py=$1 site="$GPU_DIR/peer-site"
+  "$py" -c 'import fla' 2>/dev/null && return 0
+  compgen -G "$WHEELS/fla_core-*.whl" >/dev/null || return 0
+  if [ ! -d "$site/fla" ]; then
+    rm -rf "$site"
+    "$py" -m pip install -q --no-index --no-deps --target "$site" "$WHEELS"/*.whl \
+      || { echo "== could not unpack the wheels in $WHEELS; the fla peer is skipped"; return 0; }
+  fi
+  export PYTHONPATH="$PYTHONPATH:$site"
+  echo "== fla added from $WHEELS ($site on PYTHONPATH)"
+}
+
 has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; }
+[ "$fetch_wheels" = 1 ] && { fetch_wheels; exit 0; }
 
 if [ "$mode" = dry-run ]; then
   PY=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
@@ -156,6 +185,7 @@ if [ "$mode" = dry-run ]; then
 elif [ "$install" = 0 ]; then
   PY=${PYTHON:-python3}
   echo "== --no-install: using $PY as it is"
+  add_offline_fla "$PY"
 else
   [ -n "${cuda_note:-}" ] && echo "== $cuda_note"
   PY="$VENV/bin/python"
@@ -167,6 +197,7 @@ else
   elif has_gpu_jax "${PYTHON:-python3}"; then
     PY=${PYTHON:-python3}
     echo "== the install failed; $PY already has JAX with a GPU: using it as it is (a peer it lacks is skipped)"
+    add_offline_fla "$PY"
   else
     die "installing ${REQUIREMENTS[*]} into $VENV failed (see above: is the package registry reachable?); on a machine
 without it, install JAX with CUDA yourself and run with --no-install"

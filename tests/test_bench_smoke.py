@@ -158,6 +158,30 @@ def test_gpu_check_install_plan_and_usage_errors(tmp_path):
     assert proc.returncode == 64 and "unknown argument '--frobnicate'" in proc.stderr
 
 
+def test_gpu_check_adds_the_kept_fla_wheel_on_an_offline_machine(tmp_path):
+    """A lent GPU box reaches no registry: the fla peer comes from wheels kept by --fetch-wheels (here a stand-in
+    wheel, built on the spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
+    import zipfile
+
+    wheels = tmp_path / "gpu" / "wheels"
+    wheels.mkdir(parents=True)
+    dist = "fla_core-0.0.1.dist-info"
+    with zipfile.ZipFile(wheels / "fla_core-0.0.1-py3-none-any.whl", "w") as whl:
+        whl.writestr("fla/__init__.py", "__version__ = 'stand-in'\n")
+        whl.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: fla-core\nVersion: 0.0.1\n")
+        whl.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{dist}/RECORD", "")
+    functions = BENCH / "gpu_check.sh"
+    script = (
+        f'source <(sed -n "/^WHEELS_PINNED=/,/^has_gpu_jax/p" {functions}); '
+        f"GPU_DIR={tmp_path / 'gpu'}; WHEELS={wheels}; PYTHONPATH=; add_offline_fla {sys.executable}; "
+        f"{sys.executable} -c 'import fla; print(fla.__version__)'"
+    )
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fla added from" in proc.stdout and proc.stdout.strip().endswith("stand-in"), proc.stdout
+
+
 def _report(kernel, checks):
     return {"kernel": kernel, "mode": "full", "out": "", "checks": checks, "bench": [], "notes": [], "info": {}}
 
