@@ -7,19 +7,20 @@ device when one is set. This module uses that to prove, on a CPU-only machine, t
 * :func:`compile_triton_kernels` traces ``jax.jit(fn)`` as if on an NVIDIA H200, captures the Triton IR of every
   ``pallas_call`` in the program (forward and, for a ``jax.grad`` of a ``custom_vjp``, backward), and compiles each
   with the ``triton`` package for ``sm_90a`` using the kernel's own ``num_warps`` / ``num_stages``. Shared memory
-  comes from Triton's metadata, registers and spills from ``ptxas -v`` on the PTX. XLA compiles the same IR with
+  comes from Triton's metadata, registers and spills from the ``ptxas -v`` log of Triton's own PTX → cubin step
+  (ptxas is rerun with Triton's flags for a kernel that came from Triton's cache). XLA compiles the same IR with
   the Triton bundled in jaxlib, so the figures are those of the ``triton`` package's version of the compiler: a
   kernel that exceeds the shared-memory limit here is over budget on the device too, modulo version drift.
 * :func:`lower_for_tpu` lowers ``jax.jit(fn)`` for TPU, optionally under an abstract TPU mesh with the arguments
   sharded over it, so Mosaic's lowering checks run as on a pod (for instance, a Mosaic call outside
   ``jax.shard_map`` on sharded operands fails here exactly as it would there).
 
-Private JAX API used (tried with jax 0.12.0.x and triton 3.7.x; other versions get a warning, a missing piece a
+Private API used (tried with jax 0.12.0.x and triton 3.7.x; other versions get a warning, a missing piece a
 RuntimeError that names it):
   ``jax._src.pallas.core._backend_lowering_rules``: the registry of per-backend ``pallas_call`` lowering rules;
-  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``: the jaxpr → Triton MLIR translation;
-and of triton: ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and its ptxas flags.
-Both are wrapped only for the duration of one capture (see :func:`_capture_triton_ir`).
+  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``: the jaxpr → Triton MLIR translation
+  (both wrapped only for the duration of one capture, see :func:`_capture_triton_ir`);
+  ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and Triton's ptxas flags (_PTXAS_FLAGS).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ __all__ = [
 H200_SHARED_MEMORY_BYTES = 232_448
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 _SM90A_TARGET = ("cuda", 90, 32)  # (backend, compute capability, warp size) of triton's GPUTarget
-_TRIED_VERSIONS = {"jax": "0.12.0", "triton": "3.7."}
+_TRIED_VERSIONS = {"jax": "0.12.0.", "triton": "3.7."}  # version prefixes
 # Pallas' own defaults when CompilerParams leaves them unset (jax/_src/pallas/triton/pallas_call_registration.py).
 _PALLAS_DEFAULT_NUM_WARPS, _PALLAS_DEFAULT_NUM_STAGES = 4, 3
 # TensorCores per chip (v4 and v5p pair two per chip as one megacore device).
