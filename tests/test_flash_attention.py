@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention
-from pallas_kernels.flash_attention import api as fa_api
+from pallas_kernels import dispatch
+from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention, pallas_gpu
 
 F32 = jnp.float32
 # Small tiles so that every case spans several query and key tiles, including ragged last ones.
@@ -55,6 +55,8 @@ CASES = [
     pytest.param(1, 37, 100, 6, 3, 8, True, 20, id="gqa-explicit-offset"),
     pytest.param(2, 64, 50, 4, 1, 16, False, None, id="mqa-noncausal-S<T"),
     pytest.param(1, 1, 77, 4, 2, 16, True, None, id="decode-one-token"),
+    pytest.param(1, 45, 45, 8, 1, 8, True, None, id="gqa8-causal-ragged"),
+    pytest.param(2, 45, 61, 8, 1, 8, False, None, id="gqa8-noncausal-ragged-S>T"),
 ]
 
 
@@ -72,7 +74,7 @@ def test_xla_matches_reference_and_jax_nn(b, t, s, hq, hkv, d, causal, q_offset)
 
 
 @pytest.mark.parametrize("impl,blocks", [("pallas_gpu", SMALL), ("pallas_tpu", SMALL_TPU)])
-@pytest.mark.parametrize("b,t,s,hq,hkv,d,causal,q_offset", [CASES[2], CASES[3]])
+@pytest.mark.parametrize("b,t,s,hq,hkv,d,causal,q_offset", [CASES[2], CASES[3], CASES[5], CASES[6]])
 def test_pallas_interpret_matches_reference(impl, blocks, b, t, s, hq, hkv, d, causal, q_offset):
     q, k, v, do = _inputs(1, b, t, s, hq, hkv, d)
     ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, q_offset=q_offset)
@@ -82,6 +84,50 @@ def test_pallas_interpret_matches_reference(impl, blocks, b, t, s, hq, hkv, d, c
     got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(ref, q, k, v, do)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_pallas_gpu_dkv_group_split_matches_reference(splits, monkeypatch):
+    """The dk/dv kernel splits a KV head's 8 query heads over `splits` programs (f32 partial sums added by XLA)
+    when the grid would otherwise leave SMs idle; every split, including none, gives the reference gradients."""
+    b, t, hq, hkv = 1, 45, 8, 1
+    programs = b * hkv * -(-t // SMALL.dkv[1])  # the dk/dv grid without a split
+    monkeypatch.setattr(pallas_gpu, "_TARGET_PROGRAMS", splits * programs)
+    assert pallas_gpu._group_splits(hq // hkv, programs) == splits
+    q, k, v, do = _inputs(6, b, t, t, hq, hkv, 16)
+    fa = lambda q, k, v: flash_attention(q, k, v, implementation="pallas_gpu", block_sizes=SMALL)
+    got, want = _fwd_and_grads(fa, q, k, v, do), _fwd_and_grads(attention_reference, q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def _pallas_call_rows(fn, *args):
+    """{kernel name: rows of its query operand (the T axis, padded by the kernel)} over fn's pallas_calls."""
+    rows = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name = eqn.params["name"] if "name" in eqn.params else eqn.params["name_and_src_info"].name
+                rows[name] = eqn.invars[0].aval.shape[2]  # [B, Hq, T, D] on TPU
+            for param in eqn.params.values():
+                for p in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(p, "jaxpr", p)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return rows
+
+
+@pytest.mark.parametrize("t,want", [(264, (264, 512, 512)), (300, (304, 512, 512)), (1000, (1024, 1024, 1024))])
+def test_pallas_tpu_pads_each_pass_to_its_own_tile(t, want):
+    """Default TPU tiles: forward 512 (capped at T rounded up to 8), backward query tiles 256. Each kernel pads
+    the queries to its own tile only, never to the lcm of all three (T=264 used to become 8,448 rows)."""
+    q = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, implementation="pallas_tpu").astype(F32))
+    rows = _pallas_call_rows(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+    assert (rows["flash_attention_fwd"], rows["flash_attention_dq"], rows["flash_attention_dkv"]) == want
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
@@ -178,8 +224,8 @@ def test_pallas_inside_shard_map_matches_unsharded():
 def test_auto_on_cpu_is_the_xla_path_and_interpret_logs_once(caplog, monkeypatch):
     q, k, v, _ = _inputs(4, 1, 20, 20, 2, 2, 8)
     np.testing.assert_array_equal(flash_attention(q, k, v), flash_attention(q, k, v, implementation="xla"))
-    monkeypatch.setattr(fa_api, "_warned_interpret", False)
-    with caplog.at_level(logging.WARNING, logger=fa_api.__name__):
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
         for _ in range(2):
             out = flash_attention(q, k, v, implementation="pallas")
     assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1

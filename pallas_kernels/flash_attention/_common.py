@@ -23,7 +23,8 @@ class BlockSizes:
 
     block_q, block_k: forward tiles along queries and keys. The *_dq and *_dkv fields are the tiles of
     the two backward kernels (None = use the forward tiles). num_warps / num_stages only matter for the
-    Pallas Triton (GPU) lowering (None = a head-dim based heuristic).
+    Pallas Triton (GPU) lowering: those of the forward kernel, and *_bwd those of the two backward kernels
+    (None = the forward's value; both None = Pallas' defaults, 4 warps and 3 stages).
     """
 
     block_q: int = 128
@@ -34,6 +35,8 @@ class BlockSizes:
     block_k_dkv: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -49,22 +52,54 @@ class BlockSizes:
     def dkv(self) -> tuple[int, int]:
         return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
 
+    @property
+    def bwd_launch(self) -> tuple[int | None, int | None]:
+        """(num_warps, num_stages) of the backward kernels."""
+        return (self.num_warps_bwd or self.num_warps, self.num_stages_bwd or self.num_stages)
+
     @classmethod
-    def default(cls, backend: str) -> BlockSizes:
-        """Per-backend defaults: 'xla' (blockwise XLA), 'gpu' (Pallas Triton), 'tpu' (Pallas Mosaic)."""
+    def default(cls, backend: str, head_dim: int = 128, dtype=jnp.bfloat16) -> BlockSizes:
+        """Per-backend defaults: 'xla' (blockwise XLA), 'gpu' (Pallas Triton, per head dim and input dtype),
+        'tpu' (Pallas Mosaic)."""
         if backend == "xla":
             # Big tiles: XLA's per-iteration overhead dominates small ones; 512x512xHq fp32 scores stay small.
             return cls(block_q=512, block_k=512)
         if backend == "gpu":
-            # FlashAttention-2 style: tall query tile in the forward, square 64x64 tiles in the backward
-            # (each backward program holds two accumulators, dK and dV, in registers).
-            return cls(
-                block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages=2
-            )
+            bucket = min(d for d in (64, 128, 256) if d >= min(head_dim, 256))
+            return cls(**dict(zip(_GPU_FIELDS, _GPU_DEFAULTS[bucket, jnp.dtype(dtype).itemsize >= 4])))
         if backend == "tpu":
             # Multiples of the (8, 128) vreg tile; 512-wide tiles keep the MXU busy and VMEM well within limits.
             return cls(block_q=512, block_k=512, block_q_dq=256, block_k_dq=512, block_q_dkv=256, block_k_dkv=512)
         raise ValueError(f"unknown backend {backend!r}; expected 'xla', 'gpu' or 'tpu'")
+
+
+# Pallas Triton tiles per (head dim up to 64 / 128 / 256, 4-byte inputs), FlashAttention-2 style: a tall query tile
+# in the forward (the [bq, D] f32 accumulator lives in registers while K/V tiles stream through num_stages
+# shared-memory buffers), square-ish tiles in the backward (dk/dv holds two [bk, D] f32 accumulators). f32 inputs
+# double every shared-memory buffer, hence fewer stages and narrower tiles. Each row keeps every kernel within the
+# H200's 232,448 B of shared memory per block (tests/test_compile_tier.py checks it; bench/RESULTS.md has the
+# table), bf16 without register spills (f32 at d=128 spills a few hundred bytes in the backward).
+_GPU_FIELDS = (
+    "block_q",
+    "block_k",
+    "block_q_dq",
+    "block_k_dq",
+    "block_q_dkv",
+    "block_k_dkv",
+    "num_warps",
+    "num_stages",
+    "num_warps_bwd",
+    "num_stages_bwd",
+)
+_GPU_DEFAULTS = {
+    #           fwd q, k  dq q, k  dkv q, k  fwd warps, stages  bwd warps, stages
+    (64, False): (128, 64, 64, 64, 64, 64, 8, 3, 4, 2),
+    (64, True): (128, 64, 64, 32, 64, 32, 8, 3, 4, 2),
+    (128, False): (128, 64, 64, 64, 64, 64, 8, 3, 8, 2),
+    (128, True): (128, 64, 32, 64, 64, 64, 8, 2, 8, 2),
+    (256, False): (64, 64, 32, 32, 32, 32, 8, 2, 8, 2),
+    (256, True): (64, 32, 32, 32, 32, 32, 8, 2, 8, 1),
+}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -73,6 +108,16 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
+
+
+def pad_axis(x, axis: int, size: int):
+    """``x`` zero-padded at the end of ``axis`` to ``size`` (``x`` itself when already that long)."""
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
 
 
 def check_inputs(q, k, v, *, causal: bool, scale, q_offset):

@@ -33,7 +33,7 @@ def flash_attention(
       implementation: "auto" (Pallas on GPU/TPU, "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
         Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific
         kernel; interpret mode on CPU), or "reference" (materialises the scores; for testing).
-      block_sizes: BlockSizes; default per backend (BlockSizes.default).
+      block_sizes: BlockSizes; default per backend and head dim (BlockSizes.default).
     Returns:
       [B, T, Hq, D] in q.dtype. Differentiable (recomputing backward) for every implementation.
     """
@@ -65,6 +65,6 @@ def flash_attention(
         causal=causal,
         scale=scale,
         q_offset=q_offset,
-        block_sizes=block_sizes or BlockSizes.default(native),
+        block_sizes=block_sizes or BlockSizes.default(native, head_dim=q.shape[-1], dtype=q.dtype),
         interpret=interpret,
     )

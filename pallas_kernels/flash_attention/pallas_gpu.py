@@ -1,17 +1,24 @@
 """Pallas flash attention for GPUs (Triton lowering), forward and recomputing backward.
 
-Kernels (one program per (batch, head, tile); K/V of the whole sequence are passed as one block, which
-the Triton lowering turns into a pointer, and are read tile by tile inside a `lax.fori_loop`):
-  forward  grid (B, Hq, T/bq):  online softmax over key tiles, in base 2 (exp2 is the native GPU
+Kernels (K/V, or Q/dO for dk/dv, of the whole sequence are passed as one block, which the Triton lowering
+turns into a pointer, and are read tile by tile inside a `lax.fori_loop` that Triton software-pipelines):
+  forward  grid (T/bq, Hq, B):  online softmax over key tiles, in base 2 (exp2 is the native GPU
            instruction): s₂ = log2(e)·scale·q kᵀ, m' = max(m, rowmax s₂), l' = 2^{m-m'} l + Σ 2^{s₂-m'},
            acc' = 2^{m-m'} acc + 2^{s₂-m'} v;  o = acc / l,  lse = ln2 · (m + log2 l).
-  dq       grid (B, Hq, T/bq):  P = 2^{s₂ - lse·log2 e},  dS = P ∘ (dO vᵀ − Δ),  dq = scale Σ_j dS k_j.
-  dk/dv    grid (B, Hkv, S/bk): dv = Σ_{g,i} Pᵀ dO,  dk = scale Σ_{g,i} dSᵀ q — the G query heads of a
-           KV group are summed inside the program (GQA without repeating K/V or a separate reduction).
+  dq       grid (T/bq, Hq, B):  P = 2^{s₂ - lse·log2 e},  dS = P ∘ (dO vᵀ − Δ),  dq = scale Σ_j dS k_j.
+  dk/dv    grid (S/bk, Hkv·R, B): dv = Σ_{g,i} Pᵀ dO,  dk = scale Σ_{g,i} dSᵀ q, where (g, i) runs over the
+           query heads g of the program's share of the KV head's group and the query tiles i, flattened into
+           ONE loop (n → g = n // n_i, i = n mod n_i), so the G heads are neither unrolled (shared memory and
+           code size would grow with G) nor restarted as separate pipelines. R splits the group across R
+           programs when B·Hkv·S/bk alone would leave SMs idle; their f32 partial dk/dv are summed by XLA.
+Query tiles run heaviest-first (causal rows near the end see the most keys), so the last wave is short.
 Causal tiles are skipped through the loop bounds; tiles that straddle the diagonal or the padded tail
-of the keys run in a second loop with the mask, fully visible tiles run unmasked.
-Only documented Pallas features are used (program_id, ref indexing with pl.ds, jnp.dot with fp32
-accumulation, lax.fori_loop), so the same code runs with interpret=True on a CPU.
+of the keys run in a second loop with the mask, fully visible tiles run unmasked. In dk/dv the key-length
+mask is not needed: a padded key's dk/dv row depends on that key alone and is sliced off.
+Each pass zero-pads T and S to its own tiles only. Operands enter the dots in the input dtype (bf16 tensor
+cores for bf16 inputs) with f32 accumulation. Only documented Pallas features are used (program_id, ref
+indexing with pl.ds, jnp.dot with f32 accumulation, lax.fori_loop), so the same code runs with interpret=True
+on a CPU.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_attention._common import MASK_VALUE, cdiv, round_up
+from pallas_kernels.flash_attention._common import MASK_VALUE, cdiv, pad_axis, round_up
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+# Enough thread blocks for two waves over an H100/H200's 132 SMs: below that, dk/dv splits the query heads of a
+# KV group across programs.
+_TARGET_PROGRAMS = 2 * 132
 
 
 def _visible(q_pos, k_pos, *, causal, q_offset, kv_len):
@@ -50,20 +60,21 @@ def _k_tile_bounds(i, *, bq, bk, causal, q_offset, kv_len):
     return n_full, n_end
 
 
-def _q_tile_bounds(j, *, bq, bk, nq, causal, q_offset, kv_len):
-    """(lo, mid) for key tile j: query tiles [lo, mid) need the mask, [mid, nq) do not."""
-    ragged = (j + 1) * bk > kv_len  # this key tile holds padding: mask every query tile
-    if not causal:
-        return 0, jnp.where(ragged, nq, 0)
+def _q_tile_bounds(j, *, bq, bk, nq, q_offset):
+    """(lo, mid) for key tile j under the causal mask: query tiles [lo, mid) need it, [mid, nq) see all keys."""
     lo = lax.div(jnp.maximum(j * bk - q_offset, 0), bq)
     # Query tile i sees all of key tile j iff i·bq + q_offset >= (j+1)·bk - 1.
     mid = lax.div(jnp.maximum((j + 1) * bk - 1 - q_offset, 0) + bq - 1, bq)
-    mid = jnp.minimum(jnp.maximum(mid, lo), nq)
-    return lo, jnp.where(ragged, nq, mid)
+    return jnp.minimum(lo, nq), jnp.minimum(jnp.maximum(mid, lo), nq)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, q_offset, kv_len, bq, bk):
-    i = pl.program_id(2)
+def _heaviest_first(nq):
+    """Query tile of this program: grid axis 0 reversed, so causal tiles with the most keys start first."""
+    return nq - 1 - pl.program_id(0)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, q_offset, kv_len, bq, bk, nq):
+    i = _heaviest_first(nq)
     q = q_ref[...]  # [bq, D]; stays in registers for the whole loop
     q_pos = i * bq + jnp.arange(bq)
 
@@ -91,8 +102,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, q_offset,
     lse_ref[...] = (m + jnp.log2(l)) * _LN2
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, q_offset, kv_len, bq, bk):
-    i = pl.program_id(2)
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, q_offset, kv_len, bq, bk, nq):
+    i = _heaviest_first(nq)
     q, do = q_ref[...], do_ref[...]
     lse2 = lse_ref[...] * _LOG2E
     delta = delta_ref[...]
@@ -118,132 +129,163 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
 
 
 def _dkv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
-    scale,
-    causal,
-    q_offset,
-    kv_len,
-    bq,
-    bk,
-    nq,
-    groups,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, q_offset, bq, bk, nq, heads
 ):
-    j = pl.program_id(2)
+    """q_ref/do_ref [Tp, heads, D] and lse_ref/delta_ref [heads, Tp]: this program's query heads of the group."""
+    j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]  # [bk, D]
     k_pos = j * bk + jnp.arange(bk)
 
-    def body(i, carry, masked):
+    def body(n, carry, *, first, count, masked):
         dk, dv = carry
-        start = pl.multiple_of(i * bq, bq)
-        q_pos = start + jnp.arange(bq)
-        for g in range(groups):  # the G query heads that read this KV head (static unroll)
-            q = q_ref[pl.ds(start, bq), g, :]
-            do = do_ref[pl.ds(start, bq), g, :]
-            lse2 = lse_ref[g, pl.ds(start, bq)] * _LOG2E
-            delta = delta_ref[g, pl.ds(start, bq)]
-            p = jnp.exp2(jnp.dot(q, k.T, preferred_element_type=_F32) * (scale * _LOG2E) - lse2[:, None])
-            if masked:
-                vis = _visible(q_pos, k_pos, causal=causal, q_offset=q_offset, kv_len=kv_len)
-                p = jnp.where(vis, p, 0.0)
-            dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=_F32)
-            dp = jnp.dot(do, v.T, preferred_element_type=_F32)
-            ds = p * (dp - delta[:, None])
-            dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=_F32)
+        g = lax.div(n, count)
+        start = pl.multiple_of((first + lax.rem(n, count)) * bq, bq)
+        q = q_ref[pl.ds(start, bq), g, :]
+        do = do_ref[pl.ds(start, bq), g, :]
+        lse2 = lse_ref[g, pl.ds(start, bq)] * _LOG2E
+        delta = delta_ref[g, pl.ds(start, bq)]
+        p = jnp.exp2(jnp.dot(q, k.T, preferred_element_type=_F32) * (scale * _LOG2E) - lse2[:, None])
+        if masked:
+            q_pos = start + jnp.arange(bq)
+            p = jnp.where(k_pos[None, :] <= q_pos[:, None] + q_offset, p, 0.0)
+        dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=_F32)
+        dp = jnp.dot(do, v.T, preferred_element_type=_F32)
+        ds = p * (dp - delta[:, None])
+        dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=_F32)
         return dk, dv
 
-    lo, mid = _q_tile_bounds(j, bq=bq, bk=bk, nq=nq, causal=causal, q_offset=q_offset, kv_len=kv_len)
     zeros = jnp.zeros(k.shape, _F32)
-    carry = lax.fori_loop(lo, mid, functools.partial(body, masked=True), (zeros, zeros))
-    dk, dv = lax.fori_loop(mid, nq, functools.partial(body, masked=False), carry)
+    carry = (zeros, zeros)
+    if causal:
+        lo, mid = _q_tile_bounds(j, bq=bq, bk=bk, nq=nq, q_offset=q_offset)
+        diagonal = functools.partial(body, first=lo, count=mid - lo, masked=True)
+        carry = lax.fori_loop(0, heads * (mid - lo), diagonal, carry)
+    else:
+        mid = 0
+    below = functools.partial(body, first=mid, count=nq - mid, masked=False)
+    dk, dv = lax.fori_loop(0, heads * (nq - mid), below, carry)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _params(bs, d):
-    # 4 warps cover a 64-wide head comfortably; 128-wide tiles need 8 to keep registers from spilling.
-    return plgpu.CompilerParams(num_warps=bs["num_warps"] or (4 if d <= 64 else 8), num_stages=bs["num_stages"] or 2)
+def _params(launch):
+    num_warps, num_stages = launch
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _group_splits(groups: int, programs: int) -> int:
+    """Smallest divisor R of the group size with R·programs >= _TARGET_PROGRAMS (the whole group if none)."""
+    for r in range(1, groups + 1):
+        if groups % r == 0 and r * programs >= _TARGET_PROGRAMS:
+            return r
+    return groups
 
 
 def _forward(q, k, v, cfg):
-    """Padded inputs q [B,Tp,Hq,Dp], k/v [B,Sp,Hkv,Dp] -> (o like q, lse [B,Hq,Tp] fp32)."""
-    b, tp, hq, d = q.shape
-    sp, hkv = k.shape[1], k.shape[2]
+    """q [B,T,Hq,D], k/v [B,S,Hkv,D] (D a power of two) -> (o like q, lse [B,Hq,T] f32)."""
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     bq, bk = cfg["fwd"]
+    tp, sp = round_up(t, bq), round_up(s, bk)
+    nq = tp // bq
     kernel = functools.partial(
         _fwd_kernel,
         scale=cfg["scale"],
         causal=cfg["causal"],
         q_offset=cfg["q_offset"],
-        kv_len=cfg["kv_len"],
+        kv_len=s,
         bq=bq,
         bk=bk,
+        nq=nq,
     )
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h, i: (b_, i, h, 0))
-    kv_spec = pl.BlockSpec((None, sp, None, d), lambda b_, h, i: (b_, 0, lax.div(h, groups), 0))
-    return pl.pallas_call(
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b_: (b_, nq - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, h, b_: (b_, 0, lax.div(h, groups), 0))
+    o, lse = pl.pallas_call(
         kernel,
-        grid=(b, hq, tp // bq),
+        grid=(nq, hq, b),
         in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b_, h, i: (b_, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, tp), _F32)],
-        compiler_params=_params(cfg, d),
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, h, b_: (b_, h, nq - 1 - i))],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, hq, d), q.dtype), jax.ShapeDtypeStruct((b, hq, tp), _F32)],
+        compiler_params=_params(cfg["fwd_launch"]),
         interpret=cfg["interpret"],
         name="flash_attention_fwd",
-    )(q, k, v)
+    )(pad_axis(q, 1, tp), pad_axis(k, 1, sp), pad_axis(v, 1, sp))
+    return o[:, :t], lse[:, :, :t]
 
 
 def _backward(q, k, v, o, lse, do, cfg):
-    b, tp, hq, d = q.shape
-    sp, hkv = k.shape[1], k.shape[2]
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
-    common = dict(scale=cfg["scale"], causal=cfg["causal"], q_offset=cfg["q_offset"], kv_len=cfg["kv_len"])
-    # Δ = rowsum(dO ∘ O), [B, Hq, Tp] fp32: a cheap fused XLA reduction.
-    delta = jnp.einsum("bthd,bthd->bht", do.astype(_F32), o.astype(_F32))
+    common = dict(scale=cfg["scale"], causal=cfg["causal"], q_offset=cfg["q_offset"])
+    # Δ = rowsum(dO ∘ O), [B, Hq, T] f32: a cheap fused XLA reduction (HIGHEST: not a TF32 dot on a GPU).
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(_F32), o.astype(_F32), precision=lax.Precision.HIGHEST)
+    # Padded query rows have q = dO = 0 and Δ = lse = 0, so they add nothing to any gradient.
 
     bq, bk = cfg["dq"]
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda b_, h, i: (b_, i, h, 0))
-    kv_spec = pl.BlockSpec((None, sp, None, d), lambda b_, h, i: (b_, 0, lax.div(h, groups), 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda b_, h, i: (b_, h, i))
+    tp, sp = round_up(t, bq), round_up(s, bk)
+    nq = tp // bq
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b_: (b_, nq - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, h, b_: (b_, 0, lax.div(h, groups), 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, h, b_: (b_, h, nq - 1 - i))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, bq=bq, bk=bk, **common),
-        grid=(b, hq, tp // bq),
+        functools.partial(_dq_kernel, bq=bq, bk=bk, nq=nq, kv_len=s, **common),
+        grid=(nq, hq, b),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(cfg, d),
+        out_shape=jax.ShapeDtypeStruct((b, tp, hq, d), q.dtype),
+        compiler_params=_params(cfg["bwd_launch"]),
         interpret=cfg["interpret"],
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta)
+    )(
+        pad_axis(q, 1, tp),
+        pad_axis(k, 1, sp),
+        pad_axis(v, 1, sp),
+        pad_axis(do, 1, tp),
+        pad_axis(lse, 2, tp),
+        pad_axis(delta, 2, tp),
+    )[:, :t]
 
     bq, bk = cfg["dkv"]
-    # Free reshapes: the G query heads of KV head h are contiguous (h·G .. h·G+G-1).
-    q5 = q.reshape(b, tp, hkv, groups, d)
-    do5 = do.reshape(b, tp, hkv, groups, d)
-    lse4 = lse.reshape(b, hkv, groups, tp)
-    delta4 = delta.reshape(b, hkv, groups, tp)
-    qg_spec = pl.BlockSpec((None, tp, None, groups, d), lambda b_, h, j: (b_, 0, h, 0, 0))
-    rowg_spec = pl.BlockSpec((None, None, groups, tp), lambda b_, h, j: (b_, h, 0, 0))
-    k_spec = pl.BlockSpec((None, bk, None, d), lambda b_, h, j: (b_, j, h, 0))
+    tp, sp = round_up(t, bq), round_up(s, bk)
+    nk = sp // bk
+    splits = _group_splits(groups, b * hkv * nk)
+    heads = groups // splits
+    # Free reshapes: the G query heads of KV head h are contiguous (h·G .. h·G+G-1); program (j, h·R + r, b)
+    # takes heads r·(G/R) .. (r+1)·(G/R) - 1 of that group.
+    q5 = pad_axis(q, 1, tp).reshape(b, tp, hkv, groups, d)
+    do5 = pad_axis(do, 1, tp).reshape(b, tp, hkv, groups, d)
+    lse4 = pad_axis(lse, 2, tp).reshape(b, hkv, groups, tp)
+    delta4 = pad_axis(delta, 2, tp).reshape(b, hkv, groups, tp)
+    qg_spec = pl.BlockSpec(
+        (None, tp, None, heads, d), lambda j, hr, b_: (b_, 0, lax.div(hr, splits), lax.rem(hr, splits), 0)
+    )
+    rowg_spec = pl.BlockSpec(
+        (None, None, heads, tp), lambda j, hr, b_: (b_, lax.div(hr, splits), lax.rem(hr, splits), 0)
+    )
+    k_spec = pl.BlockSpec((None, bk, None, d), lambda j, hr, b_: (b_, j, lax.div(hr, splits), 0))
+    if splits == 1:
+        out_spec = k_spec
+        out_shape = jax.ShapeDtypeStruct((b, sp, hkv, d), k.dtype)
+    else:  # f32 partial sums, one per share of the group
+        out_spec = pl.BlockSpec(
+            (None, None, bk, None, d), lambda j, hr, b_: (lax.rem(hr, splits), b_, j, lax.div(hr, splits), 0)
+        )
+        out_shape = jax.ShapeDtypeStruct((splits, b, sp, hkv, d), _F32)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, bq=bq, bk=bk, nq=tp // bq, groups=groups, **common),
-        grid=(b, hkv, sp // bk),
+        functools.partial(_dkv_kernel, bq=bq, bk=bk, nq=tp // bq, heads=heads, **common),
+        grid=(nk, hkv * splits, b),
         in_specs=[qg_spec, k_spec, k_spec, qg_spec, rowg_spec, rowg_spec],
-        out_specs=[k_spec, k_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(cfg, d),
+        out_specs=[out_spec, out_spec],
+        out_shape=[out_shape, out_shape],
+        compiler_params=_params(cfg["bwd_launch"]),
         interpret=cfg["interpret"],
         name="flash_attention_dkv",
-    )(q5, k, v, do5, lse4, delta4)
-    return dq, dk, dv
+    )(q5, pad_axis(k, 1, sp), pad_axis(v, 1, sp), do5, lse4, delta4)
+    if splits > 1:
+        dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+    return dq, dk[:, :s], dv[:, :s]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -271,31 +313,24 @@ def _tile(block: int, length: int) -> int:
 def flash_attention_gpu(q, k, v, *, causal: bool, scale: float, q_offset: int, block_sizes, interpret: bool = False):
     """q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D]. Arguments already validated by the API.
 
-    T and S are zero-padded to tile multiples (padded keys are masked by length, padded query rows are
-    sliced off and get zero cotangents), and D to a power of two (zero columns change no dot product).
+    Each kernel zero-pads T and S to multiples of its own tiles (padded keys are masked by length, padded
+    query rows are sliced off and get zero cotangents), and D is padded to a power of two here (zero
+    columns change no dot product).
     """
-    b, t, hq, d = q.shape
+    t, d = q.shape[1], q.shape[3]
     s = k.shape[1]
     bs = block_sizes
-    fwd = (_tile(bs.block_q, t), _tile(bs.block_k, s))
-    dq = tuple(_tile(x, n) for x, n in zip(bs.dq, (t, s)))
-    dkv = tuple(_tile(x, n) for x, n in zip(bs.dkv, (t, s)))
-    tp = round_up(t, max(fwd[0], dq[0], dkv[0]))  # all powers of two: the max is a common multiple
-    sp = round_up(s, max(fwd[1], dq[1], dkv[1]))
     dp = max(16, pl.next_power_of_2(d))
-    q_ = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
-    k_ = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
-    v_ = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
     cfg = (
         ("scale", float(scale)),
         ("causal", bool(causal)),
         ("q_offset", int(q_offset)),
-        ("kv_len", s),
-        ("fwd", fwd),
-        ("dq", dq),
-        ("dkv", dkv),
-        ("num_warps", bs.num_warps),
-        ("num_stages", bs.num_stages),
+        ("fwd", (_tile(bs.block_q, t), _tile(bs.block_k, s))),
+        ("dq", tuple(_tile(x, n) for x, n in zip(bs.dq, (t, s)))),
+        ("dkv", tuple(_tile(x, n) for x, n in zip(bs.dkv, (t, s)))),
+        ("fwd_launch", (bs.num_warps, bs.num_stages)),
+        ("bwd_launch", bs.bwd_launch),
         ("interpret", bool(interpret)),
     )
-    return _attention(q_, k_, v_, cfg)[:, :t, :, :d]
+    q_, k_, v_ = (pad_axis(x, 3, dp) for x in (q, k, v))
+    return _attention(q_, k_, v_, cfg)[..., :d]

@@ -15,7 +15,6 @@ last needed tile so the pipeline does not even fetch them (an unchanged block in
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention._common import MASK_VALUE, round_up
+from pallas_kernels.flash_attention._common import MASK_VALUE, pad_axis, round_up
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -157,11 +156,12 @@ def _params(n_parallel: int, n_arbitrary: int):
 
 
 def _forward(q, k, v, cfg):
-    """q [B,Hq,Tp,D], k/v [B,Hkv,Sp,D] -> (o like q, lse [B,Hq,Tp,1] fp32)."""
-    b, hq, tp, d = q.shape
-    hkv, sp = k.shape[1], k.shape[2]
+    """q [B,Hq,T,D], k/v [B,Hkv,S,D] -> (o like q, lse [B,Hq,T,1] fp32); T and S padded to this pass's tiles."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
     groups = hq // hkv
     bq, bk = cfg["fwd"]
+    tp, sp = round_up(t, bq), round_up(s, bk)
     nk = sp // bk
     last = functools.partial(_last_k_tile, bq=bq, bk=bk, nk=nk, causal=cfg["causal"], q_offset=cfg["q_offset"])
     q_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i, j: (b_, h, i, 0))
@@ -172,32 +172,41 @@ def _forward(q, k, v, cfg):
         scale=cfg["scale"],
         causal=cfg["causal"],
         q_offset=cfg["q_offset"],
-        kv_len=cfg["kv_len"],
+        kv_len=s,
         bq=bq,
         bk=bk,
         nk=nk,
     )
-    return pl.pallas_call(
+    o, lse = pl.pallas_call(
         kernel,
         grid=(b, hq, tp // bq, nk),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, tp, 1), _F32)],
+        out_shape=[jax.ShapeDtypeStruct((b, hq, tp, d), q.dtype), jax.ShapeDtypeStruct((b, hq, tp, 1), _F32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), _F32), pltpu.VMEM((bq, 1), _F32), pltpu.VMEM((bq, d), _F32)],
         compiler_params=_params(3, 1),
         interpret=cfg["interpret"],
         name="flash_attention_fwd",
-    )(q, k, v)
+    )(pad_axis(q, 2, tp), pad_axis(k, 2, sp), pad_axis(v, 2, sp))
+    return o[:, :, :t], lse[:, :, :t]
+
+
+def _padded(q, k, v, do, lse, delta, *, tp, sp):
+    """The backward kernels' operands with queries padded to tp rows and keys to sp."""
+    return (pad_axis(q, 2, tp), pad_axis(k, 2, sp), pad_axis(v, 2, sp), *(pad_axis(x, 2, tp) for x in (do, lse, delta)))
 
 
 def _backward(q, k, v, o, lse, do, cfg):
-    b, hq, tp, d = q.shape
-    hkv, sp = k.shape[1], k.shape[2]
+    """Unpadded q/o/do [B,Hq,T,D], k/v [B,Hkv,S,D], lse [B,Hq,T,1]; each kernel pads T and S to its own tiles."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
     groups = hq // hkv
-    common = dict(scale=cfg["scale"], causal=cfg["causal"], q_offset=cfg["q_offset"], kv_len=cfg["kv_len"])
-    delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1, keepdims=True)  # [B,Hq,Tp,1]
+    common = dict(scale=cfg["scale"], causal=cfg["causal"], q_offset=cfg["q_offset"], kv_len=s)
+    delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1, keepdims=True)  # [B,Hq,T,1]
+    # Padded query rows have q = dO = 0 and Δ = lse = 0, so they add nothing to any gradient.
 
     bq, bk = cfg["dq"]
+    tp, sp = round_up(t, bq), round_up(s, bk)
     nk = sp // bk
     last = functools.partial(_last_k_tile, bq=bq, bk=bk, nk=nk, causal=cfg["causal"], q_offset=cfg["q_offset"])
     q_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i, j: (b_, h, i, 0))
@@ -208,14 +217,15 @@ def _backward(q, k, v, o, lse, do, cfg):
         grid=(b, hq, tp // bq, nk),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, hq, tp, d), q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, d), _F32)],
         compiler_params=_params(3, 1),
         interpret=cfg["interpret"],
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta)
+    )(*_padded(q, k, v, do, lse, delta, tp=tp, sp=sp))[:, :, :t]
 
     bq, bk = cfg["dkv"]
+    tp, sp = round_up(t, bq), round_up(s, bk)
     nq = tp // bq
     first = functools.partial(_first_q_tile, bq=bq, bk=bk, causal=cfg["causal"], q_offset=cfg["q_offset"])
     qg_spec = pl.BlockSpec(
@@ -230,13 +240,13 @@ def _backward(q, k, v, o, lse, do, cfg):
         grid=(b, hkv, sp // bk, groups, nq),
         in_specs=[qg_spec, k_spec, k_spec, qg_spec, rowg_spec, rowg_spec],
         out_specs=[k_spec, k_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, sp, d), k.dtype), jax.ShapeDtypeStruct((b, hkv, sp, d), v.dtype)],
         scratch_shapes=[pltpu.VMEM((bk, d), _F32), pltpu.VMEM((bk, d), _F32)],
         compiler_params=_params(3, 2),
         interpret=cfg["interpret"],
         name="flash_attention_dkv",
-    )(q, k, v, do, lse, delta)
-    return dq, dk, dv
+    )(*_padded(q, k, v, do, lse, delta, tp=tp, sp=sp))
+    return dq, dk[:, :, :s], dv[:, :, :s]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -265,28 +275,19 @@ def _tile(block: int, length: int) -> int:
 def flash_attention_tpu(q, k, v, *, causal: bool, scale: float, q_offset: int, block_sizes, interpret: bool = False):
     """q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D]. Arguments already validated by the API.
 
-    Transposes to [B, H, T, D] (tiles then end in (rows, D), what Mosaic wants), zero-pads T and S to
-    tile multiples (padded keys are masked by length; padded query rows get zero cotangents).
+    Transposes to [B, H, T, D] (tiles then end in (rows, D), what Mosaic wants); each kernel zero-pads T and S
+    to multiples of its own tiles only (padded keys are masked by length; padded query rows get zero cotangents).
     """
-    b, t, hq, d = q.shape
-    s = k.shape[1]
+    t, s = q.shape[1], k.shape[1]
     bs = block_sizes
-    fwd = (_tile(bs.block_q, t), _tile(bs.block_k, s))
-    dq = tuple(_tile(x, n) for x, n in zip(bs.dq, (t, s)))
-    dkv = tuple(_tile(x, n) for x, n in zip(bs.dkv, (t, s)))
-    tp = round_up(t, math.lcm(fwd[0], dq[0], dkv[0]))
-    sp = round_up(s, math.lcm(fwd[1], dq[1], dkv[1]))
-    q_ = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    k_ = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    v_ = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     cfg = (
         ("scale", float(scale)),
         ("causal", bool(causal)),
         ("q_offset", int(q_offset)),
-        ("kv_len", s),
-        ("fwd", fwd),
-        ("dq", dq),
-        ("dkv", dkv),
+        ("fwd", (_tile(bs.block_q, t), _tile(bs.block_k, s))),
+        ("dq", tuple(_tile(x, n) for x, n in zip(bs.dq, (t, s)))),
+        ("dkv", tuple(_tile(x, n) for x, n in zip(bs.dkv, (t, s)))),
         ("interpret", bool(interpret)),
     )
-    return _attention(q_, k_, v_, cfg).transpose(0, 2, 1, 3)[:, :t]
+    q_, k_, v_ = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    return _attention(q_, k_, v_, cfg).transpose(0, 2, 1, 3)

@@ -20,18 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash_attention._common import MASK_VALUE, cdiv
+from pallas_kernels.flash_attention._common import MASK_VALUE, cdiv, pad_axis
 
 _F32 = jnp.float32
-
-
-def _pad_axis(x, axis: int, size: int):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
 
 
 def _visible(q_pos, k_pos, *, causal: bool, q_offset: int, kv_len: int):
@@ -61,9 +52,9 @@ def _forward(q, k, v, *, scale, causal, q_offset, bq, bk):
     b, t, hkv, g, d = q.shape
     s = k.shape[1]
     nq, nk = cdiv(t, bq), cdiv(s, bk)
-    qb = _pad_axis(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).swapaxes(0, 1)
-    kb = _pad_axis(k, 1, nk * bk).reshape(b, nk, bk, hkv, d)
-    vb = _pad_axis(v, 1, nk * bk).reshape(b, nk, bk, hkv, d)
+    qb = pad_axis(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).swapaxes(0, 1)
+    kb = pad_axis(k, 1, nk * bk).reshape(b, nk, bk, hkv, d)
+    vb = pad_axis(v, 1, nk * bk).reshape(b, nk, bk, hkv, d)
 
     def q_block(args):
         i, q_i = args  # q_i [B, bq, Hkv, G, D]
@@ -104,18 +95,18 @@ def _backward(q, k, v, out, lse, do, *, scale, causal, q_offset, bq_dq, bk_dq, b
     b, t, hkv, g, d = q.shape
     s = k.shape[1]
     # Δ = rowsum(dO ∘ O): the softmax-Jacobian term, one fp32 number per query row.
-    delta = jnp.einsum("bthgd,bthgd->bhgt", do.astype(_F32), out.astype(_F32))
+    delta = jnp.einsum("bthgd,bthgd->bhgt", do.astype(_F32), out.astype(_F32), precision=lax.Precision.HIGHEST)
 
     def blocked_q(bq):
         nq = cdiv(t, bq)
-        rs = lambda x: _pad_axis(x, 1, nq * bq).reshape(b, nq, bq, hkv, g, d)
-        rs_row = lambda x: _pad_axis(x, 3, nq * bq).reshape(b, hkv, g, nq, bq)
+        rs = lambda x: pad_axis(x, 1, nq * bq).reshape(b, nq, bq, hkv, g, d)
+        rs_row = lambda x: pad_axis(x, 3, nq * bq).reshape(b, hkv, g, nq, bq)
         # Padded query rows have dO = 0 and Δ = 0, hence dS = P ∘ 0 = 0: they add nothing to dK/dV.
         return nq, rs(q), rs(do), rs_row(lse), rs_row(delta)
 
     def blocked_k(bk):
         nk = cdiv(s, bk)
-        rs = lambda x: _pad_axis(x, 1, nk * bk).reshape(b, nk, bk, hkv, d)
+        rs = lambda x: pad_axis(x, 1, nk * bk).reshape(b, nk, bk, hkv, d)
         return nk, rs(k), rs(v)
 
     def probs(q_i, k_j, lse_i, q_pos, k_pos):

@@ -1,0 +1,171 @@
+"""Compile tier: the Pallas kernels compile for the accelerators users run them on, proven from a CPU.
+
+GPU: every flash-attention kernel (forward, dq, dk/dv) is lowered as on an NVIDIA H200, compiled by the `triton`
+package for sm_90a, and must fit the H200's shared memory per block; registers and spills are reported (run with
+``-s`` to see the table; bench/RESULTS.md keeps a copy). TPU: the Mosaic kernels lower for TPU, on one chip and
+inside ``shard_map`` on an 8-chip abstract mesh. The glue (pallas_kernels/cross_compile.py) is itself tested on
+tiny kernels whose properties are known.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import cross_compile as cc
+from pallas_kernels.flash_attention import BlockSizes, flash_attention
+from pallas_kernels.flash_attention.pallas_gpu import flash_attention_gpu
+
+# ---------------------------------------------------------------- the glue, on kernels with known properties
+
+
+def _scale_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+
+def _elementwise(x, params=None):
+    return pl.pallas_call(
+        _scale_kernel,
+        grid=(4, 2),
+        in_specs=[pl.BlockSpec((16, 64), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((16, 64), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=params,
+        name="tiny_scale",
+    )(x)
+
+
+def _matmul_kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+
+def test_triton_stats_of_an_elementwise_kernel():
+    """Name, grid and launch configuration come from the pallas_call (Pallas' defaults, 4 warps and 3 stages, when
+    unset); an elementwise kernel stages nothing in shared memory and does not spill."""
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    [default] = cc.compile_triton_kernels(_elementwise, x)
+    [tuned] = cc.compile_triton_kernels(_elementwise, x, params=plgpu.CompilerParams(num_warps=2, num_stages=1))
+    assert (default.name, default.grid, default.num_warps, default.num_stages) == ("tiny_scale", (4, 2, 1), 4, 3)
+    assert (tuned.num_warps, tuned.num_stages, tuned.programs) == (2, 1, 8)
+    assert default.shared_bytes == 0 and default.spill_bytes == 0 and 0 < default.registers <= 255
+    assert default.fits_h200
+
+
+def test_triton_stats_of_a_tensor_core_matmul():
+    """A 64x64x64 bf16 tl.dot on sm_90 runs as a wgmma whose operands are read from shared memory: at least the two
+    8 KiB operand tiles must be there."""
+    a = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    matmul = lambda a, b: pl.pallas_call(
+        _matmul_kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32), name="tiny_matmul"
+    )(a, b)
+    [stats] = cc.compile_triton_kernels(matmul, a, a)
+    assert 2 * 64 * 64 * 2 <= stats.shared_bytes <= cc.H200_SHARED_MEMORY_BYTES
+
+
+def test_triton_capture_needs_a_pallas_kernel():
+    with pytest.raises(ValueError, match="no Pallas GPU kernel"):
+        cc.compile_triton_kernels(lambda x: x + 1, jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+def test_tpu_lowering_refuses_a_mosaic_call_outside_shard_map_on_a_sharded_mesh():
+    """As on a pod: on one chip the kernel lowers; with the batch sharded over 8 chips it must sit in shard_map."""
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+
+    def kernel(x):
+        return pl.pallas_call(_scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    def sharded(x):
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(kernel, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)(x)
+
+    assert "tpu_custom_call" in cc.lower_for_tpu(kernel, x)
+    with pytest.raises(NotImplementedError, match="shard_map"):
+        cc.lower_for_tpu(kernel, x, mesh_axes={"data": 8}, in_specs=P("data"))
+    assert "tpu_custom_call" in cc.lower_for_tpu(sharded, x, mesh_axes={"data": 8}, in_specs=P("data"))
+    with pytest.raises(ValueError, match="needs mesh_axes"):
+        cc.lower_for_tpu(kernel, x, in_specs=P("data"))
+
+
+# ---------------------------------------------------------------- flash attention on an H200
+
+_T = 1100  # ragged for every tile (16..128): the masked tail loops are compiled too; padded rows are not a power of 2
+_HKV = 2
+# (head_dim, query heads per KV head, causal, dtype, batch): every (head dim, group) pair causal and not in bf16 (the
+# training dtype), f32 at both head dims, causal and not, with the smallest and largest groups, and the head-dim-256
+# row of the tile table once. Batch 1 leaves the dk/dv grid short of the SMs (the kernel splits each group across
+# programs), batch 8 fills it (no split).
+FA_CONFIGS = [
+    (d, g, causal, "bfloat16", 1 if causal else 8)
+    for d in (64, 128)
+    for g in (1, 2, 3, 4, 8)
+    for causal in (True, False)
+]
+FA_CONFIGS += [(64, 1, True, "float32", 1), (64, 8, False, "float32", 8)]
+FA_CONFIGS += [(128, 1, False, "float32", 8), (128, 8, True, "float32", 1), (256, 4, True, "bfloat16", 1)]
+
+
+@pytest.fixture(scope="module")
+def compile_table(request):
+    rows = []
+    yield rows
+    table = cc.format_stats_table(rows)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:  # shown even when pytest captures output
+        reporter.write_line("\nflash attention kernels compiled for sm_90a (triton):\n" + table)
+    else:
+        print(table)
+
+
+@pytest.mark.parametrize("d,groups,causal,dtype,batch", FA_CONFIGS, ids=lambda v: str(v))
+def test_flash_attention_gpu_kernels_fit_an_h200(d, groups, causal, dtype, batch, compile_table):
+    """Forward, dq and dk/dv compile for sm_90a with the default tiles of their head dim and dtype, within the H200's
+    shared memory per block; bf16 kernels also keep every value in registers (no spills)."""
+    dtype = jnp.dtype(dtype)
+    q = jax.ShapeDtypeStruct((batch, _T, _HKV * groups, d), dtype)
+    kv = jax.ShapeDtypeStruct((batch, _T, _HKV, d), dtype)
+    blocks = BlockSizes.default("gpu", head_dim=d, dtype=dtype)
+
+    def loss(q, k, v):
+        o = flash_attention_gpu(q, k, v, causal=causal, scale=d**-0.5, q_offset=0, block_sizes=blocks)
+        return jnp.sum(o.astype(jnp.float32))
+
+    # The precision users get by default (conftest asks for "highest", under which f32 dots leave the tensor cores for
+    # FMA loops that spill tens of KB per thread and take minutes to compile).
+    with jax.default_matmul_precision("default"):
+        stats = cc.compile_triton_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    config = f"d={d} G={groups} {'causal' if causal else 'full'} {dtype.name} B={batch} T={_T}"
+    compile_table.extend((config, s) for s in stats)
+    assert [s.name for s in stats] == ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"]
+    for s in stats:
+        assert s.shared_bytes <= cc.H200_SHARED_MEMORY_BYTES, (config, s)
+        if dtype == jnp.bfloat16:
+            assert s.spill_bytes == 0, (config, s)
+
+
+# ---------------------------------------------------------------- flash attention on a TPU
+
+
+@pytest.mark.parametrize("d,groups,causal,dtype", [(64, 1, True, "float32"), (128, 8, False, "bfloat16")])
+def test_flash_attention_tpu_kernels_lower_for_tpu(d, groups, causal, dtype):
+    """Forward and backward Mosaic kernels lower for a TPU v5p: on one chip, and inside shard_map with batch and KV
+    heads sharded over an 8-chip abstract mesh (2 x 4)."""
+    q = jax.ShapeDtypeStruct((2, 300, 4 * groups, d), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((2, 300, 4, d), jnp.dtype(dtype))
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=causal, implementation="pallas_tpu").astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    text = cc.lower_for_tpu(grad, q, kv, kv)
+    assert text.count("tpu_custom_call") >= 3
+
+    spec = P("data", None, "heads", None)
+
+    def sharded(q, k, v):
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(grad, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3, check_vma=False)(q, k, v)
+
+    text = cc.lower_for_tpu(sharded, q, kv, kv, mesh_axes={"data": 2, "heads": 4}, in_specs=spec)
+    assert text.count("tpu_custom_call") >= 3
