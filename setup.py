@@ -35,7 +35,7 @@ setup(
     py_modules=[],
     install_requires=CORE,
     extras_require={
-        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0 per DESIGN.md §7).
+        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0, the CPU wheel).
         "dev": [
             "pytest",
             "pytest-xdist",

@@ -6,7 +6,7 @@
 
 Blocks measured (batch 1, fp32, random weights — cost does not depend on the values):
   teacher      every KV group softmax, our blockwise ``flash_attention`` (XLA path, recomputing custom_vjp):
-               the FAIR baseline (DESIGN §11) — O(T) memory, like the hybrid.
+               the FAIR baseline (docs/design.md §10) — O(T) memory, like the hybrid.
   xla-dense    the same block with XLA's ``jax.nn.dot_product_attention``, which materialises the [T, T] scores:
                the second baseline (what a user gets without a blockwise kernel).
   1-FA         HydraHead block with one FA KV group, the others Gated DeltaNet (conv, output gate, fusion on).
@@ -49,7 +49,7 @@ from hydrahead_jax.hybrid import HeadMap, HybridConfig, HydraHeadAttention, fa_b
 from hydrahead_jax.models.attention import Attention  # noqa: E402
 
 SHAPES = {
-    # SmolLM2-135M: 30 layers, d 576, 9 q / 3 kv heads, head_dim 64 (DESIGN §7).
+    # SmolLM2-135M: 30 layers, d 576, 9 q / 3 kv heads, head_dim 64.
     "smollm2": ModelConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -367,7 +367,7 @@ def goals(all_results) -> list[str]:
                     f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs teacher (blockwise FA)",
                     ratio(mv["teacher"], mv["HydraHead 7:1"]),
                     4,
-                    why_missed="both are O(T) with a blockwise teacher (DESIGN §11); the memory win is against "
+                    why_missed="both are O(T) with a blockwise teacher (docs/design.md §10); the memory win is against "
                     "materialising attention and in the decode cache",
                 )
             )
