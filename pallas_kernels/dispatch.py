@@ -11,7 +11,8 @@ once:
     "reference"   the slow exact implementation the tests compare against
 
 The platform is that of a concrete input array when there is one (a committed array decides where the op runs),
-else JAX's default backend (inside ``jit`` inputs are tracers without devices).
+else that of the abstract mesh's device when tracing for another machine (``jax.sharding.use_abstract_mesh``, as
+pallas_kernels.cross_compile does), else JAX's default backend (inside ``jit`` inputs are tracers without devices).
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ _warned: set[str] = set()
 
 
 def platform_of(x=None) -> str:
-    """The platform ``x`` lives on ("cpu", "gpu", "tpu"), or the default backend for tracers and ``None``."""
+    """The platform ``x`` lives on ("cpu", "gpu", "tpu"); for tracers and ``None`` that of the abstract device of
+    the current abstract mesh when it names one (tracing for another machine, as under
+    ``jax.sharding.use_abstract_mesh``), else the default backend."""
     if x is not None:
         try:
             return next(iter(x.devices())).platform
         except (AttributeError, TypeError, StopIteration, jax.errors.ConcretizationTypeError):
             pass
+    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract_device is not None:
+        return "gpu" if abstract_device.platform in ("cuda", "rocm") else abstract_device.platform
     return jax.default_backend()
 
 
