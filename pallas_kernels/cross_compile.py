@@ -17,7 +17,8 @@ device when one is set. This module uses that to prove, on a CPU-only machine, t
 Private JAX API used (tried with jax 0.12.0.x and triton 3.7.x; other versions get a warning, a missing piece a
 RuntimeError that names it):
   ``jax._src.pallas.core._backend_lowering_rules``: the registry of per-backend ``pallas_call`` lowering rules;
-  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``: the jaxpr → Triton MLIR translation.
+  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``: the jaxpr → Triton MLIR translation;
+and of triton: ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and its ptxas flags.
 Both are wrapped only for the duration of one capture (see :func:`_capture_triton_ir`).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import os
 import re
 import subprocess
@@ -187,8 +189,13 @@ def _capture_triton_ir():
             triton_lowering.lower_jaxpr_to_triton_module = original_translate
 
 
-def _ptxas_stats(ptx: str, workdir: str) -> tuple[int, int, int]:
-    """(registers, spill bytes, stack frame bytes) of the one kernel in ``ptx``, from ``ptxas -v``."""
+# Triton's own ptxas invocation for sm_90a (triton/backends/nvidia/compiler.py, make_cubin), so that a rerun on a
+# cached kernel reports the registers of the very cubin Triton built.
+_PTXAS_FLAGS = ("-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a")
+
+
+def _ptxas_log(ptx: str, workdir: str) -> str:
+    """``ptxas -v`` on ``ptx`` with Triton's flags: the log (registers, spills, stack frame)."""
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -196,12 +203,16 @@ def _ptxas_stats(ptx: str, workdir: str) -> tuple[int, int, int]:
     with open(src, "w") as f:
         f.write(ptx)
     out = subprocess.run(
-        [ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(workdir, "kernel.cubin")],
+        [ptxas, *_PTXAS_FLAGS, src, "-o", os.path.join(workdir, "kernel.cubin")],
         capture_output=True,
         text=True,
         check=True,
     )
-    log = out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def _parse_ptxas_log(log: str) -> tuple[int, int, int]:
+    """(registers, spill bytes = stores + loads, stack frame bytes) from a ``ptxas -v`` log of one kernel."""
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
@@ -216,20 +227,28 @@ def _ptxas_stats(ptx: str, workdir: str) -> tuple[int, int, int]:
 
 def _compile_one(kernel: TritonKernelIR, workdir: str) -> TritonKernelStats:
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
 
     src = os.path.join(workdir, f"{kernel.name}.ttir")
     with open(src, "w") as f:
         f.write(kernel.ttir)
+    log = io.StringIO()
     try:
-        compiled = triton.compiler.compile(
-            src,
-            target=GPUTarget(*_SM90A_TARGET),
-            options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
-        )
+        # Triton prints its own ptxas -v log when asked: no second ptxas run unless the kernel came from its cache.
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compiler.compile(
+                src,
+                target=GPUTarget(*_SM90A_TARGET),
+                options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
+            )
     except Exception as e:
         raise RuntimeError(f"Triton failed to compile pallas_call {kernel.name!r} for sm_90a: {e}") from e
-    registers, spill_bytes, stack_bytes = _ptxas_stats(compiled.asm["ptx"], workdir)
+    ptxas_log = log.getvalue()
+    if "Used " not in ptxas_log:
+        ptxas_log = _ptxas_log(compiled.asm["ptx"], workdir)
+    registers, spill_bytes, stack_bytes = _parse_ptxas_log(ptxas_log)
     return TritonKernelStats(
         name=kernel.name,
         num_warps=kernel.num_warps,
