@@ -210,7 +210,8 @@ def _train(
     try:
         for step in range(start, steps):
             batch = shd.put_batch(next(iterator), batch_sh)
-            state, metrics = jstep(state, teacher_state, batch)
+            with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
+                state, metrics = jstep(state, teacher_state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             done = step + 1
             check_finite(done, spec.config_key, metrics, last_good, ckpt.directory)
