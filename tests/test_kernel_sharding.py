@@ -7,6 +7,7 @@ gives the unsharded losses, and a sharded prefill + decode gives the unsharded l
 GPU needs (Mosaic and Triton calls cannot be partitioned; ``test_compile_tier_model.py`` lowers the step for TPU).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -175,9 +176,10 @@ def test_kernel_call_splits_only_what_divides():
         assert shard_map_in_specs(jax.make_jaxpr(call)(x, w).jaxpr) == []
 
 
-def test_kernel_call_refuses_layouts_that_do_not_fit():
+@pytest.mark.parametrize("mesh", [None, (4, 1, 2)], ids=["no-mesh", "mesh"])
+def test_kernel_call_refuses_layouts_that_do_not_fit(mesh):
     x = jnp.zeros((4, 5, 2, 3))
-    with jax.set_mesh(shd.make_mesh(4, 1, 2)):
+    with jax.set_mesh(shd.make_mesh(*mesh)) if mesh else contextlib.nullcontext():
         with pytest.raises(ValueError, match="one layout each"):
             kernel_call(lambda x: x, x, in_axes=(BTHD, BTHD), out_axes=BTHD)
         with pytest.raises(ValueError, match=r"must name every dimension of an array of shape \(4, 5, 2, 3\)"):

@@ -65,11 +65,7 @@ def _split_axes(
     argument dimension carrying the name divides by their product (the rest of that name stays whole)."""
     sizes: dict[str, list[int]] = {}
     for x, layout in zip(args, in_axes):
-        if x is None:
-            continue
-        if layout is None or len(layout) != x.ndim:
-            raise ValueError(f"kernel_call: in_axes {layout} must name every dimension of an array of shape {x.shape}.")
-        for name, dim in zip(layout, x.shape):
+        for name, dim in zip(layout or (), () if x is None else x.shape):
             if name is not None:
                 sizes.setdefault(name, []).append(dim)
     used: set[str] = set()
@@ -86,6 +82,28 @@ def _split_axes(
         used.update(axes)
         split[name] = tuple(axes)
     return split
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def _check_layouts(args: Sequence[Any], in_axes: Sequence[Layout | None], out_axes: Any) -> None:
+    """Every argument has a layout naming each of its dimensions, and outputs name only axes the inputs name (the
+    split is decided from the inputs): checked on every call, with or without a mesh."""
+    if len(in_axes) != len(args):
+        raise ValueError(f"kernel_call: {len(args)} arguments but {len(in_axes)} in_axes; give one layout each.")
+    names: set[str] = set()
+    for x, layout in zip(args, in_axes):
+        if x is not None and (layout is None or len(layout) != x.ndim):
+            raise ValueError(f"kernel_call: in_axes {layout} must name every dimension of an array of shape {x.shape}.")
+        if x is not None:
+            names.update(n for n in layout if n is not None)
+    out_names = {n for layout in jax.tree.leaves(out_axes, is_leaf=_is_layout) for n in layout if n is not None}
+    if out_names - names:
+        raise ValueError(
+            f"kernel_call: output axes {sorted(out_names - names)} name no input dimension; name them in in_axes."
+        )
 
 
 def _spec(layout: Layout, split: dict[str, tuple[str, ...]]) -> PartitionSpec:
@@ -109,8 +127,7 @@ def kernel_call(
     returns (None where it returns None). Every logical name of ``out_axes`` must appear in ``in_axes``: the split
     is decided from the inputs. Static options go into ``kernel`` (``functools.partial``).
     """
-    if len(in_axes) != len(args):
-        raise ValueError(f"kernel_call: {len(args)} arguments but {len(in_axes)} in_axes; give one layout each.")
+    _check_layouts(args, in_axes, out_axes)
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else _free_axes(mesh)
     if math.prod(mesh.shape[a] for a in free) == 1:
@@ -124,14 +141,7 @@ def kernel_call(
             full[i] = x
         return kernel(*full)
 
-    def out_spec(layout: Layout) -> PartitionSpec:
-        missing = [n for n in layout if n is not None and n not in split]
-        if missing:
-            raise ValueError(f"kernel_call: output axes {missing} name no input dimension; name them in in_axes.")
-        return _spec(layout, split)
-
-    is_layout = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)  # noqa: E731
-    out_specs = jax.tree.map(out_spec, out_axes, is_leaf=is_layout)
+    out_specs = jax.tree.map(lambda layout: _spec(layout, split), out_axes, is_leaf=_is_layout)
     return jax.shard_map(
         per_device,
         mesh=mesh,
