@@ -1,76 +1,20 @@
 """Sharded training on 8 simulated CPU devices: the same losses as one device, parameters placed by the rules."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
-from train_helpers import tiny_config
+from train_helpers import run_tiny_distil
 
-from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student
-from hydrahead_jax.models import Transformer
-from hydrahead_jax.run_config import STAGES, RunConfig
 from hydrahead_jax.training import sharding as shd
-from hydrahead_jax.training.data import make_stage_iterator
-from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, run_stage
-
-
-def _losses(workdir):
-    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _run(tmp_path, name, mesh):
-    c = tiny_config()
-    c.stage2.steps = 5
-    c.stage2.checkpoint_every = 5
-    cfg = ModelConfig.from_dict(dict(c.teacher.model))
-    teacher = Transformer(cfg, rngs=nnx.Rngs(0))
-    head_map = HeadMap.from_fa_groups(cfg, [[0], [1]], method="test")
-    hybrid = HybridConfig.from_dict(dict(c.hybrid))
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid, nnx.Rngs(0))))
-    init = lambda: jax.tree.map(
-        lambda x: x.copy(),
-        nnx.as_pure(
-            nnx.state(  # noqa: E731
-                build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(0))
-            )
-        ),
-    )
-    workdir = tmp_path / name
-    workdir.mkdir()
-    run = RunConfig.from_recipe(c)
-    spec = StageSpec(
-        stage=STAGES[1],
-        config=run.stage2,
-        directory=workdir / "stage2_distil",
-        trainable=nnx.Param,
-        meta={},
-        make_iterator=lambda: make_stage_iterator(
-            run.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size, synthetic_rate=0.0
-        ),
-    )
-    final = run_stage(
-        spec,
-        student_graphdef=graphdef,
-        abstract_student=abstract,
-        initial_student=init,
-        teacher=TeacherHandle(teacher, mesh),
-        mesh=mesh,
-        workdir=workdir,
-        logging_cfg=run.logging,
-    )
-    return _losses(workdir), final
 
 
 def test_mesh_2x2x2_matches_one_device(tmp_path):
     one = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     cube = shd.make_mesh(2, 2, 2)
     assert dict(cube.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    losses_one, _ = _run(tmp_path, "one", one)
-    losses_cube, final = _run(tmp_path, "cube", cube)
+    losses_one, _ = run_tiny_distil(tmp_path / "one", one)
+    losses_cube, final = run_tiny_distil(tmp_path / "cube", cube)
     assert len(losses_one) == len(losses_cube) == 5
     np.testing.assert_allclose(losses_cube, losses_one, rtol=2e-4, atol=1e-6)
 

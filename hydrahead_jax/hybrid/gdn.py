@@ -25,6 +25,7 @@ Zero kernels still get gradients (∂L/∂W = xᵀ ∂L/∂a), and they make the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -35,6 +36,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
+from hydrahead_jax.models.kernel_sharding import BH, BHD, BHKV, BTH, BTHD, kernel_call
 from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
@@ -195,23 +197,28 @@ class GatedDeltaNetHeads(nnx.Module):
         k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
         v = jnp.repeat(v, cfg.group_size, axis=2)
         g, beta = self.decay_and_beta(x)
+        # Both rules run per device inside shard_map over the mesh axes of batch and heads (``kernel_call``).
         if cache is not None and q.shape[1] == 1:
-            o, state = gated_delta_rule_step(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["gdn_state"], use_qk_l2norm=True
+            step = functools.partial(gated_delta_rule_step, use_qk_l2norm=True)
+            token = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            o, state = kernel_call(
+                step, *token, cache["gdn_state"], in_axes=(BHD, BHD, BHD, BH, BH, BHKV), out_axes=(BHD, BHKV)
             )
             o = o[:, None]
         else:
-            o, state = chunk_gated_delta_rule(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                initial_state=None if cache is None else cache["gdn_state"],
+            chunked = functools.partial(
+                chunk_gated_delta_rule,
                 output_final_state=cache is not None,
                 use_qk_l2norm=True,
                 chunk_size=hc.gdn_chunk_size,
                 implementation=hc.gdn_implementation,
+            )
+            initial_state = None if cache is None else cache["gdn_state"]
+            o, state = kernel_call(
+                lambda q, k, v, g, beta, state: chunked(q, k, v, g, beta, initial_state=state),
+                *(q, k, v, g, beta, initial_state),
+                in_axes=(BTHD, BTHD, BTHD, BTH, BTH, None if cache is None else BHKV),
+                out_axes=(BTHD, None if cache is None else BHKV),
             )
         if cache is not None:
             new_cache["gdn_state"] = state

@@ -13,6 +13,7 @@ attention probabilities through it and may replace heads' outputs before o_proj.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.models.kernel_sharding import BTHD, kernel_call
 from hydrahead_jax.models.layers import RMSNorm, apply_rope, dense
 from pallas_kernels.flash_attention import flash_attention
 
@@ -154,7 +156,9 @@ class Attention(nnx.Module):
         """Softmax attention of q [B,T,Hq',D] over k/v [B,T,Hkv',D] (any whole number of KV groups).
 
         Without a cache, or when filling an empty one (prefill, T > 1), it runs blockwise ``flash_attention``
-        over the new tokens; a decode step (T == 1) writes its k/v at ``cache_index`` and attends to the cache.
+        over the new tokens (per device, inside ``shard_map`` over the mesh axes of batch and heads when traced
+        under a mesh: ``kernel_call``); a decode step (T == 1) writes its k/v at ``cache_index`` and attends to the
+        cache.
         """
         t = q.shape[1]
         if cache is not None:
@@ -163,8 +167,8 @@ class Attention(nnx.Module):
             cache = {**cache, "k": new_k, "v": new_v}
             if t == 1:
                 return cached_attention(q, new_k, new_v, cache_index + t, self.scale), cache
-        out = flash_attention(q, k, v, causal=True, scale=self.scale, implementation=self.attention_impl)
-        return out, cache
+        kernel = functools.partial(flash_attention, causal=True, scale=self.scale, implementation=self.attention_impl)
+        return kernel_call(kernel, q, k, v, in_axes=(BTHD, BTHD, BTHD), out_axes=BTHD), cache
 
     def head_outputs(
         self,

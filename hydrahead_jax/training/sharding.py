@@ -1,8 +1,9 @@
-"""Device mesh and the ONE table of logical-axis rules that places every parameter, optimizer slot and batch.
+"""Device mesh, and the placement of every parameter, optimizer slot and batch by the logical-axis rules.
 
 Parameters carry logical axis names in their ``out_sharding`` metadata (``hydrahead_jax.models.layers``); the
-rules below turn a logical name into mesh axes. A dimension whose size does not divide by the product of its
-mesh axes is replicated instead (e.g. 3 KV heads on a tensor axis of 2): correct everywhere, logged once.
+rules of ``hydrahead_jax.sharding_rules`` turn a logical name into mesh axes. A dimension whose size does not
+divide by the product of its mesh axes is replicated instead (e.g. 3 KV heads on a tensor axis of 2): correct
+everywhere, logged once.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters sharded over it, ZeRO-3
 style), ``tensor`` (Megatron-style model parallel over heads / MLP width / vocabulary). All axes are
@@ -13,33 +14,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# logical name -> mesh axis, tuple of mesh axes, or None (replicated). Keep this the only such table.
-LOGICAL_AXIS_RULES: dict[str, Any] = {
-    "batch": ("data", "fsdp"),
-    "sequence": None,
-    "embed": "fsdp",
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "head_dim": None,
-    "norm": None,
-}
+from hydrahead_jax.sharding_rules import (  # noqa: F401  (re-exported: the rules table lives there)
+    LOGICAL_AXIS_RULES,
+    MESH_AXES,
+    ShardingError,
+    mesh_axes_for,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ShardingError(ValueError):
-    """A mesh or logical-axis specification that cannot be realised on the available devices."""
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -64,20 +52,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
             f"{len(devices)} are available; set one axis to -1 to fill."
         )
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-
-
-def mesh_axes_for(name: str | None) -> tuple[str, ...]:
-    if name is None:
-        return ()
-    if name not in LOGICAL_AXIS_RULES:
-        raise ShardingError(
-            f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES in "
-            "hydrahead_jax/training/sharding.py (map it to mesh axes or None)."
-        )
-    target = LOGICAL_AXIS_RULES[name]
-    if target is None:
-        return ()
-    return (target,) if isinstance(target, str) else tuple(target)
 
 
 def logical_to_spec(logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

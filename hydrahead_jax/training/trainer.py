@@ -209,7 +209,8 @@ def _train(
     try:
         for step in range(start, steps):
             batch = shd.put_batch(next(iterator), batch_sh)
-            state, device_metrics = jstep(state, teacher_state, batch)
+            with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
+                state, device_metrics = jstep(state, teacher_state, batch)
             done = step + 1
             if pending is not None:
                 metrics = report(*pending)
