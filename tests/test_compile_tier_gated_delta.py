@@ -74,7 +74,9 @@ def _kernel_names(stablehlo: str) -> set[str]:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_tpu_kernels_lower(dim, dtype):
-    text = cross_compile.lower_for_tpu(_value_and_grads(pallas_tpu.chunk_gated_delta_rule_pallas_tpu), *_args(dim, dtype))
+    text = cross_compile.lower_for_tpu(
+        _value_and_grads(pallas_tpu.chunk_gated_delta_rule_pallas_tpu), *_args(dim, dtype)
+    )
     assert text.count("tpu_custom_call") == len(KERNELS)
     assert _kernel_names(text) == KERNELS
 

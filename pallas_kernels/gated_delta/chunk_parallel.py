@@ -71,7 +71,8 @@ def _specs(C, Kp, Vp):
 
 
 def output_call(q, k, w, u, g, states, *, chunk_size, block_v, prec, compiler_params, interpret):
-    """q, k, w [B,H,Tp,Kp], u [B,H,Tp,Vp] (operand dtype), g [B,H,Tp,1], states [B,H,N,Kp,Vp] → o (operand dtype)."""
+    """q, k, w [B,H,Tp,Kp] and states [B,H,N,Kp,Vp] (operand dtype), u [B,H,Tp,Vp] and g [B,H,Tp,1] (fp32)
+    → o [B,H,Tp,Vp] in the operand dtype."""
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
     chunk_k, chunk_v, chunk_g, state_n = _specs(chunk_size, Kp, Vp)

@@ -58,6 +58,12 @@ GPU_CONFIGS = {
 }
 
 
+# Dots of fp32 inputs: three TF32 tensor-core passes (~fp32 accuracy). Precision.HIGHEST lowers to FMA loops on
+# CUDA cores: every kernel at 255 registers with spills, and a 16-minute Triton compile at K=128. (Interpret mode
+# keeps HIGHEST: exact fp32 on the CPU.)
+FP32_DOTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def gpu_config(kp: int, vp: int, block_v: int | None = None) -> GpuConfig:
     """The table's entry for padded key dim ``kp`` (the largest for wider keys), value tiles capped at ``vp``;
     ``block_v`` overrides both value tiles (tests use it to exercise several tiles at small V)."""
@@ -161,9 +167,7 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
         interpret=interpret,
         name="gated_delta_dstate",
     )(q, k, w, g, do, dvl, dsT)
-    dq, dk, dw, dg = chunk_parallel.grads_call(
-        q, k, w, u, g, states, do, dvn, ds_after, interpret=interpret, **par
-    )
+    dq, dk, dw, dg = chunk_parallel.grads_call(q, k, w, u, g, states, do, dvn, ds_after, interpret=interpret, **par)
     return dq, dk, dw, dvn, dg, ds0
 
 
@@ -190,6 +194,8 @@ def chunk_gated_delta_rule_pallas_gpu(
     block_v=None,
     prec=None,
 ):
+    if prec is None and jnp.dtype(q.dtype) == jnp.float32 and not interpret:
+        prec = FP32_DOTS
     return chunk_math.chunked_gated_delta_rule(
         rule(chunk_size, interpret, block_v),
         q,
