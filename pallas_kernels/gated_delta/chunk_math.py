@@ -389,17 +389,23 @@ def make_rule(fwd_call, bwd_call):
         do, ds_final = cts
         B, T, H, K = q.shape
         V = v.shape[-1]
-        prepared, prep_vjp = jax.vjp(functools.partial(_prepare, cfg), q, k, v, g, beta)
+        prepare = functools.partial(_prepare, cfg)
+        prepared = prepare(q, k, v, g, beta)
         Tp = prepared[0].shape[2]
         do = jnp.pad(jnp.moveaxis(do, 2, 1), [(0, 0), (0, 0), (0, Tp - T), (0, cfg.value_dim_padded - V)])
-        dq, dk, dw, du, dg, ds0 = bwd_call(
+        grads = bwd_call(
             *_operands(cfg, prepared),
             states,
             do.astype(cfg.operand_dtype),
             _pad_state(cfg, ds_final.astype(_F32)),
             prec=cfg.prec,
         )
-        return (*prep_vjp((dq, dk, dw, du, dg)), ds0[:, :, :K, :V])
+        # The prologue's VJP recomputes it once more, after the kernels: its residuals ([T, C] decay and solve
+        # matrices) then never coexist with the backward's temporaries. The barrier keeps XLA from merging the two
+        # prologue computations (which would bring that overlap back).
+        (q, k, v, g, beta), grads = jax.lax.optimization_barrier(((q, k, v, g, beta), grads))
+        _, prep_vjp = jax.vjp(prepare, q, k, v, g, beta)
+        return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V])
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule
