@@ -1,19 +1,19 @@
 """Chunked gated delta rule in plain XLA: the CPU default and every platform's fallback.
 
-The math is chunk_math's (WY prologue, chunk recurrence and its VJP); here the recurrence runs as batched XLA:
+The math is chunk_math's (WY prologue, chunk functions, `make_rule`'s custom_vjp); here the recurrence runs as
+batched XLA:
 
 - forward: a loop over chunks carries only the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ (U − W S_n),
   and emits each chunk's start state S_n and new values ν_n; the outputs O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n are
   then one batched product over all chunks (half the work per sequential step, forward and backward).
-- backward (hand-written, `chunk_math.make_recurrence`): only the dS recurrence is sequential,
+- backward: only the dS recurrence is sequential,
       dν_n = ((q kᵀ) ⊙ D)ᵀ dO_n + (k e^{G_C − G}) dS_{n+1},   dS_n = (q e^G)ᵀ dO_n + e^{G_C} dS_{n+1} − W_nᵀ dν_n,
   a reverse loop whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
-  dS_{n+1} known, `chunk_math.chunk_backward` gives each chunk's dq, dk, dW, dU, dG independently: one batched
-  (vmapped) call over all chunks.
+  dS_{n+1} known, `chunk_math.grads_tile`/`grads_finish` give each chunk's dq, dk, dW, dG independently: one
+  batched (vmapped) call over all chunks (dU = dν).
 
-The custom_vjp saves the inputs and the per-chunk start states only ([B,H,N,K,V], the size of one K-wide input at
-C = K), where autodiff through a scan kept every intermediate. Measured on the 2-core CPU (B=1, T=8K, 9 heads of
-64, fwd+bwd, with the prologue's own VJPs in chunk_math): 0.35 s → 0.28 s and 505 → 363 MiB of temporaries.
+Everything runs in fp32 (``operand_dtype=float32``): on a CPU bf16 dots are no faster, and this path is the
+fallback users compare against.
 """
 
 from __future__ import annotations
