@@ -1,6 +1,6 @@
 """The chunk math of the gated delta rule, shared by the XLA path and the Pallas GPU (Triton) and TPU (Mosaic) kernels.
 
-Every backend runs the same three parts:
+Every backend runs the same parts:
 
 1. The WY prologue (`chunk_prep`, chunk-parallel XLA): within a chunk of C tokens with state S (K×V) at the chunk
    start, let G_i = Σ_{m≤i} g_m (chunk-local cumulative log decay). Unrolling the recurrence (reference.py) gives,
@@ -14,36 +14,48 @@ Every backend runs the same three parts:
    coefficients, ~1e18 at C = 64). `unit_lower_solve` does it with exact block inversion in batched matmuls and
    has its own VJP (two matmuls), so the backward never differentiates through the inversion steps.
 
-2. The sequential recurrence over chunks (a `lax.scan` in xla.py, a loop with the state on chip in the kernels):
+2. The chunk functions (section 2), each one chunk of C tokens; D_ij = e^{G_i − G_j} for i ≥ j else 0:
 
-       forward, chunk n (S = state at chunk start, D_ij = e^{G_i − G_j} for i ≥ j else 0):
-           ν = U − W S
-           O = (q ⊙ e^G) S + ((q kᵀ) ⊙ D) ν
-           S ← e^{G_C} S + (k ⊙ e^{G_C − G})ᵀ ν
+   forward, split so that only the state recurrence is sequential:
+       `state_step` (sequential):   ν = U − W S_n,   S_{n+1} = e^{G_C} S_n + (k ⊙ e^{G_C − G})ᵀ ν
+       `output_tile` (chunk-parallel, from the stored S_n):   O = (q ⊙ e^G) S_n + ((q kᵀ) ⊙ D)(U − W S_n)
 
-       backward, chunks in reverse, carrying dS = ∂L/∂S_{n+1} and recomputing ν from the saved S_n:
-           dν  = ((q kᵀ) ⊙ D)ᵀ dO + (k ⊙ e^{G_C − G}) dS
-           dU  = dν ;  dW = −dν Sᵀ
-           dq  = (dO Sᵀ) ⊙ e^G + (dP ⊙ D) k,      dP = dO νᵀ
-           dk  = (dP ⊙ D)ᵀ q + (ν dSᵀ) ⊙ e^{G_C − G}
+   backward, with dS_{n+1} = ∂L/∂S_{n+1}:
+       `intra_chunk`ᵀ dO (chunk-parallel):   dν_local = ((q kᵀ) ⊙ D)ᵀ dO
+       `dstate_step` (sequential, chunks in reverse):
+           dν = dν_local + (k ⊙ e^{G_C − G}) dS_{n+1}
+           dS_n = (q ⊙ e^G)ᵀ dO + e^{G_C} dS_{n+1} − Wᵀ dν
+       `grads_tile` + `grads_finish` (chunk-parallel, from S_n, dS_{n+1}, dν; ν recomputed as U − W S_n):
+           dU = dν ;  dW = −dν S_nᵀ
+           dq = (dO S_nᵀ) ⊙ e^G + (dP ⊙ D) k,      dP = dO νᵀ
+           dk = (dP ⊙ D)ᵀ q + (ν dS_{n+1}ᵀ) ⊙ e^{G_C − G}
            dG_i = Σ_k dq̂_ik q̂_ik + Σ_j M_ij − Σ_j M_ji − Σ_k dk̂_ik k̂_ik  (+ at i = C−1:
-                  Σ_ik dk̂ ⊙ k̂ + e^{G_C} Σ dS ⊙ S),  M = dP ⊙ (q kᵀ) ⊙ D, q̂ = q e^G, k̂ = k e^{G_C − G}
-           dS  ← (q ⊙ e^G)ᵀ dO + e^{G_C} dS − Wᵀ dν
+                  Σ_ik dk̂ ⊙ k̂ + e^{G_C} Σ dS_{n+1} ⊙ S_n),  M = dP ⊙ (q kᵀ) ⊙ D, q̂ = q e^G, k̂ = k e^{G_C − G}
 
-   `make_recurrence` wraps a backend's forward and backward in a custom_vjp that saves only the inputs and the
-   per-chunk start states S_n; everything else is recomputed.
+   The sequential steps never form a C×C product, so the GPU kernels can split V into tiles there without
+   recomputing q kᵀ per tile; the chunk-parallel kernels form q kᵀ once per chunk and loop over V tiles inside.
 
-3. The wrapper `chunked_gated_delta_rule`: prologue, recurrence, unpadding.
+3. `make_rule`: one custom_vjp around the whole rule (prologue and recurrence) that saves only its inputs (in their
+   own dtype) and the chunk-start states S_n; the backward recomputes the prologue (cheap, chunk-parallel) and
+   differentiates it with `jax.vjp`. `chunked_gated_delta_rule` calls it.
 
-The per-chunk functions are written with ops that lower on Triton, Mosaic TPU and in interpret mode: 2-D
-`jnp.dot`/`lax.dot_general`, broadcasted iota masks, full or single-axis reductions, `jnp.where`; no gathers, no
-dynamic value indexing, no 1-D layouts (G travels as a (C, 1) column). Every exponent is ≤ 0: decay differences
-are masked to −inf where i < j BEFORE exp, so even g = −20 per step over a 64-token chunk cannot overflow.
+Operand dtype: q, k, W and the stored states S_n enter the kernels' dots in the input dtype (bf16 stays bf16, so
+the dots run on bf16 tensor cores / MXU passes) with fp32 accumulation; the decays G, U, the carried states and every
+gradient stay fp32, and an fp32 value is cast to the operand dtype only right before it enters a dot. Where the
+new values ν = U − W S (a small difference of larger terms) enter the gradient dots, they go in as two bf16 parts
+(`hi_lo`): with U or ν rounded to bf16, ∂L/∂g was off by 2.2x the reference's own bf16 error, 1.4x with them kept.
+
+The chunk functions are written with ops that lower on Triton, Mosaic TPU and in interpret mode: 2-D
+`lax.dot_general`, broadcasted iota masks, single-axis reductions with keepdims, `jnp.where`; no gathers, no
+dynamic value indexing, no 1-D or 0-d values (G travels as a (C, 1) column, G_C as a (1, 1) block: Mosaic cannot
+always legalise a transcendental on a scalar). Every exponent is ≤ 0: decay differences are masked to −inf where
+i < j BEFORE exp, so even g = −20 per step over a 64-token chunk cannot overflow.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,67 +173,130 @@ def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size):
 # ------------------------------------------------------------------------------------ 2. one chunk
 
 
-def _dot(a, b, prec, trans_a=False, trans_b=False):
+def dot(a, b, prec, trans_a=False, trans_b=False):
+    """2-D a·b (or aᵀ·b, a·bᵀ) with fp32 accumulation; a and b enter in their own dtype."""
     dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
     return jax.lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=_F32)
 
 
-def _decays(g):
-    """g: (C,1) chunk-local cumulative log decay → (causal decay D (C,C), g as a row (1,C), G_C scalar)."""
+def _total(x):
+    """Σ of a 2-D array as a (1, 1) block (two keepdims reductions: no 0-d value)."""
+    return jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def _chunk_end(g):
+    """g (C,1) chunk-local cumulative log decay → (G_C as a (1,1) block, mask of the last row (C,1))."""
+    last = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == g.shape[0] - 1
+    return jnp.sum(jnp.where(last, g, 0.0), axis=0, keepdims=True), last
+
+
+def _causal_decay(g):
+    """D (C,C): e^{G_i − G_j} for i ≥ j, else 0; plus the row/col iotas."""
     C = g.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
     # Transpose the column into a row with a masked reduction: portable where (C,1)->(1,C) is not.
     g_row = jnp.sum(jnp.where(row == col, g, 0.0), axis=0, keepdims=True)
     # Mask before exp: only i ≥ j (non-positive exponents) reaches exp.
-    decay = jnp.exp(jnp.where(row >= col, g - g_row, -jnp.inf))
-    last = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == C - 1
-    g_last = jnp.sum(jnp.where(last, g, 0.0))
-    return decay, row, col, g_last, last
+    return jnp.exp(jnp.where(row >= col, g - g_row, -jnp.inf)), row, col
 
 
-def chunk_forward(q, k, w, u, g, s, prec):
-    """One chunk. q,k,w (C,K); u (C,V); g (C,1); s (K,V) → (o (C,V), s_next (K,V)); all fp32."""
-    decay, _, _, g_last, _ = _decays(g)
-    scores = _dot(q, k, prec, trans_b=True) * decay
-    vn = u - _dot(w, s, prec)
-    o = _dot(q * jnp.exp(g), s, prec) + _dot(scores, vn, prec)
-    s_next = jnp.exp(g_last) * s + _dot(k * jnp.exp(g_last - g), vn, prec, trans_a=True)
-    return o, s_next
+def hi_lo(x, dt):
+    """fp32 x as (x_hi, x_lo) in dtype dt, x_lo the rounding error of x_hi: ~16 mantissa bits as two bf16 dot
+    operands. (x, None) when dt is fp32. Used for ν = U − W S, a small difference of larger terms."""
+    if dt == _F32:
+        return x, None
+    hi = x.astype(dt)
+    return hi, (x - hi.astype(_F32)).astype(dt)
 
 
-def chunk_backward(q, k, w, u, g, s, do, ds, prec):
-    """Reverse step of `chunk_forward`. s = state at chunk start, ds = ∂L/∂(state after the chunk).
+def state_step(k, w, u, g, s, prec):
+    """S_{n+1} = e^{G_C} S_n + (k ⊙ e^{G_C − G})ᵀ (U − W S_n) for one V tile.
 
-    Returns (dq, dk, dw, du, dg (C,1), ds_prev (K,V)), all fp32.
+    k, w (C,K) in the operand dtype; u (C,BV), g (C,1) and s (K,BV) fp32 → fp32 (K,BV).
     """
-    decay, row, col, g_last, last = _decays(g)
-    eg = jnp.exp(g)
-    ek = jnp.exp(g_last - g)
-    qk = _dot(q, k, prec, trans_b=True)
-    scores = qk * decay
-    vn = u - _dot(w, s, prec)
-    kd = k * ek
-    dvn = _dot(scores, do, prec, trans_a=True) + _dot(kd, ds, prec)
-    dw = -_dot(dvn, s, prec, trans_b=True)
-    dqd = _dot(do, s, prec, trans_b=True)
-    dsc = _dot(do, vn, prec, trans_b=True) * decay  # ∂L/∂(q kᵀ), zero above the diagonal
-    dq = dqd * eg + _dot(dsc, k, prec)
-    dkd = _dot(vn, ds, prec, trans_b=True)
-    dk = _dot(dsc, q, prec, trans_a=True) + dkd * ek
+    dt = k.dtype
+    g_last, _ = _chunk_end(g)
+    vn = u.astype(_F32) - dot(w, s.astype(dt), prec)
+    kd = (k.astype(_F32) * jnp.exp(g_last - g)).astype(dt)
+    return jnp.exp(g_last) * s + dot(kd, vn.astype(dt), prec, trans_a=True)
+
+
+def intra_chunk(q, k, g, prec):
+    """(q kᵀ) ⊙ D and q ⊙ e^G, both in the operand dtype, formed once per chunk for all V tiles."""
+    dt = q.dtype
+    decay, _, _ = _causal_decay(g)
+    scores = dot(q, k, prec, trans_b=True) * decay
+    return scores.astype(dt), (q.astype(_F32) * jnp.exp(g)).astype(dt)
+
+
+def output_tile(qd, scores, w, u, s, prec):
+    """O = (q ⊙ e^G) S_n + ((q kᵀ) ⊙ D)(U − W S_n) for one V tile (u (C,BV), s (K,BV)) → fp32 (C,BV)."""
+    dt = w.dtype
+    s = s.astype(dt)
+    vn = u.astype(_F32) - dot(w, s, prec)
+    return dot(qd, s, prec) + dot(scores, vn.astype(dt), prec)
+
+
+def dstate_step(q, k, w, g, do, dvl, ds, prec):
+    """Reverse step: ds = dS_{n+1} (K,BV) fp32, dvl = ((q kᵀ) ⊙ D)ᵀ dO (C,BV) fp32 → (dν (C,BV), dS_n), fp32."""
+    dt = k.dtype
+    g_last, _ = _chunk_end(g)
+    kd = (k.astype(_F32) * jnp.exp(g_last - g)).astype(dt)
+    dvn = dvl + dot(kd, ds.astype(dt), prec)
+    qd = (q.astype(_F32) * jnp.exp(g)).astype(dt)
+    ds_prev = dot(qd, do.astype(dt), prec, trans_a=True) + jnp.exp(g_last) * ds
+    return dvn, ds_prev - dot(w, dvn.astype(dt), prec, trans_a=True)
+
+
+def grads_init(C, K):
+    """Accumulators of `grads_tile`: dO S_nᵀ, ν dS_{n+1}ᵀ, dW (C,K); dP (C,C); Σ dS_{n+1} ⊙ S_n (1,1)."""
+    return (jnp.zeros((C, K), _F32),) * 3 + (jnp.zeros((C, C), _F32), jnp.zeros((1, 1), _F32))
+
+
+def grads_tile(acc, w, u, s, do, dvn, ds, prec):
+    """Adds one V tile's share (u, do, dvn (C,BV); s = S_n, ds = dS_{n+1} (K,BV)) to the `grads_init` sums."""
+    dqd, dkd, dw, dp, dss = acc
+    dt = do.dtype
+    s_op, ds_op = s.astype(dt), ds.astype(dt)
+    vn_hi, vn_lo = hi_lo(u.astype(_F32) - dot(w, s_op, prec), dt)
+    dkd = dkd + dot(vn_hi, ds_op, prec, trans_b=True)
+    dp = dp + dot(do, vn_hi, prec, trans_b=True)
+    if vn_lo is not None:  # ν feeds ∂L/∂g through dP and ν dSᵀ: keep its low bits (`hi_lo`)
+        dkd = dkd + dot(vn_lo, ds_op, prec, trans_b=True)
+        dp = dp + dot(do, vn_lo, prec, trans_b=True)
+    return (
+        dqd + dot(do, s_op, prec, trans_b=True),
+        dkd,
+        dw - dot(dvn.astype(dt), s_op, prec, trans_b=True),
+        dp,
+        dss + _total(ds.astype(_F32) * s.astype(_F32)),
+    )
+
+
+def grads_finish(q, k, g, acc, prec):
+    """The summed tiles → (dq, dk, dW (C,K), dG (C,1)), fp32 (formulas in the module docstring)."""
+    dqd, dkd, dw, dp, dss = acc
+    dt = q.dtype
+    decay, row, col = _causal_decay(g)
+    g_last, last = _chunk_end(g)
+    eg, ek = jnp.exp(g), jnp.exp(g_last - g)
+    qk = dot(q, k, prec, trans_b=True)
+    dsc = dp * decay  # ∂L/∂(q kᵀ), zero above the diagonal
+    dq = dqd * eg + dot(dsc.astype(dt), k, prec)
+    dk = dot(dsc.astype(dt), q, prec, trans_a=True) + dkd * ek
     m = dsc * qk  # ∂L/∂(G_i − G_j) on i ≥ j
     m_colsum = jnp.sum(jnp.where(row == col, jnp.sum(m, axis=0, keepdims=True), 0.0), axis=1, keepdims=True)
-    s_k = jnp.sum(dkd * kd, axis=1, keepdims=True)
-    d_glast = jnp.sum(s_k) + jnp.exp(g_last) * jnp.sum(ds * s)
+    s_k = jnp.sum(dkd * k.astype(_F32) * ek, axis=1, keepdims=True)
+    d_glast = jnp.sum(s_k, axis=0, keepdims=True) + jnp.exp(g_last) * dss
     dg = (
-        jnp.sum(dqd * q * eg, axis=1, keepdims=True)
+        jnp.sum(dqd * q.astype(_F32) * eg, axis=1, keepdims=True)
         + jnp.sum(m, axis=1, keepdims=True)
         - m_colsum
         - s_k
         + jnp.where(last, d_glast, 0.0)
     )
-    ds_prev = _dot(q * eg, do, prec, trans_a=True) + jnp.exp(g_last) * ds - _dot(w, dvn, prec, trans_a=True)
-    return dq, dk, dw, dvn, dg, ds_prev
+    return dq, dk, dw, dg
 
 
 def _round_up_pow2(n, minimum=16):
@@ -232,42 +307,112 @@ def _round_up_pow2(n, minimum=16):
 
 
 def default_precision(dtype):
-    """fp32 inputs: exact fp32 matmuls. bf16/fp16 inputs: the backend default (TF32 on GPU), whose
-    error is below the bf16 rounding of the inputs themselves."""
+    """fp32 inputs: exact fp32 matmuls (no TF32 passes). bf16/fp16 inputs: the dots take bf16/fp16 operands, for
+    which the default is already exact products with fp32 accumulation."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def make_recurrence(fwd_call, bwd_call):
-    """custom_vjp around a backend's (fwd_call, bwd_call).
+# ------------------------------------------------------------------------------------ 3. the whole rule
 
-    fwd_call(q, k, w, u, g, s0, *, save_states, prec) → (o, s_final, states or None)
-    bwd_call(q, k, w, u, g, states, do, ds_final, *, prec) → (dq, dk, dw, du, dg, ds0)
-    Arrays are [B,H,Tp,·] fp32 with Tp a chunk multiple and K,V padded; g is [B,H,Tp,1].
+
+class RuleConfig(NamedTuple):
+    """Static settings of one `make_rule` call (hashable: the custom_vjp's non-differentiable argument)."""
+
+    scale: float
+    use_qk_l2norm: bool
+    chunk_size: int
+    key_dim_padded: int  # K padded for the backend (powers of two ≥ 16 for Triton blocks; K itself for XLA)
+    value_dim_padded: int
+    operand_dtype: jnp.dtype  # dtype of q, k, W, U, S_n in the backend's dots
+    prec: jax.lax.Precision
+
+
+def _prepare(cfg: RuleConfig, q, k, v, g, beta):
+    """Prologue → the backend's operands, fp32: q, k, W [B,H,Tp,Kp], U [B,H,Tp,Vp], G [B,H,Tp,1]."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    p = chunk_prep(q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=cfg.chunk_size)
+
+    def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]; zero columns of q, k, W, U contribute nothing
+        x = x.reshape(B, H, -1, d)
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
+
+    Kp, Vp = cfg.key_dim_padded, cfg.value_dim_padded
+    return (
+        flat(p["q"], K, Kp),
+        flat(p["k"], K, Kp),
+        flat(p["w"], K, Kp),
+        flat(p["u"], V, Vp),
+        p["gcum"].reshape(B, H, -1, 1),
+    )
+
+
+def _operands(cfg, prepared):
+    """q, k, W in the operand dtype; U and G stay fp32 (U never enters a dot; see `hi_lo` for why it must not be
+    rounded)."""
+    q, k, w, u, g = prepared
+    return q.astype(cfg.operand_dtype), k.astype(cfg.operand_dtype), w.astype(cfg.operand_dtype), u, g
+
+
+def _pad_state(cfg, s):
+    K, V = s.shape[-2:]
+    return jnp.pad(s, [(0, 0), (0, 0), (0, cfg.key_dim_padded - K), (0, cfg.value_dim_padded - V)])
+
+
+def make_rule(fwd_call, bwd_call):
+    """The custom_vjp gated delta rule of a backend: ``rule(cfg, q, k, v, g, beta, s0) -> (o, s_final)``.
+
+    q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], s0 [B,H,K,V] fp32 → o [B,T,H,V] in q's dtype, s_final fp32.
+    The backend's calls take [B,H,Tp,·] operands (`_prepare`, cast to ``cfg.operand_dtype``; G fp32):
+
+        fwd_call(q, k, w, u, g, s0, *, prec) → (o [B,H,Tp,Vp], s_final fp32, states [B,H,N,Kp,Vp])
+        bwd_call(q, k, w, u, g, states, do, ds_final, *, prec) → (dq, dk, dw, du, dg, ds0), fp32
+
+    Saved for the backward: the inputs and the chunk-start states (what a sequential pass alone can give);
+    everything else, the prologue included, is recomputed.
     """
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-    def recurrence(q, k, w, u, g, s0, prec):
-        o, s_final, _ = fwd_call(q, k, w, u, g, s0, save_states=False, prec=prec)
-        return o, s_final
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def rule(cfg, q, k, v, g, beta, s0):
+        return rule_fwd(cfg, q, k, v, g, beta, s0)[0]
 
-    def rec_fwd(q, k, w, u, g, s0, prec):
-        o, s_final, states = fwd_call(q, k, w, u, g, s0, save_states=True, prec=prec)
-        return (o, s_final), (q, k, w, u, g, states)
+    def rule_fwd(cfg, q, k, v, g, beta, s0):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta))
+        o, s_final, states = fwd_call(*ops, _pad_state(cfg, s0), prec=cfg.prec)
+        o = jnp.moveaxis(o[:, :, :T, :V], 1, 2).astype(q.dtype)
+        return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, states)
 
-    def rec_bwd(prec, res, cts):
-        q, k, w, u, g, states = res
+    def rule_bwd(cfg, res, cts):
+        q, k, v, g, beta, states = res
         do, ds_final = cts
-        return bwd_call(q, k, w, u, g, states, do.astype(_F32), ds_final.astype(_F32), prec=prec)
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        prepare = functools.partial(_prepare, cfg)
+        prepared = prepare(q, k, v, g, beta)
+        Tp = prepared[0].shape[2]
+        do = jnp.pad(jnp.moveaxis(do, 2, 1), [(0, 0), (0, 0), (0, Tp - T), (0, cfg.value_dim_padded - V)])
+        grads = bwd_call(
+            *_operands(cfg, prepared),
+            states,
+            do.astype(cfg.operand_dtype),
+            _pad_state(cfg, ds_final.astype(_F32)),
+            prec=cfg.prec,
+        )
+        # The prologue's VJP recomputes it once more, after the kernels: its residuals ([T, C] decay and solve
+        # matrices) then never coexist with the backward's temporaries. The barrier keeps XLA from merging the two
+        # prologue computations (which would bring that overlap back).
+        (q, k, v, g, beta), grads = jax.lax.optimization_barrier(((q, k, v, g, beta), grads))
+        _, prep_vjp = jax.vjp(prepare, q, k, v, g, beta)
+        return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V])
 
-    recurrence.defvjp(rec_fwd, rec_bwd)
-    return recurrence
-
-
-# ------------------------------------------------------------------------------------ 3. the wrapper
+    rule.defvjp(rule_fwd, rule_bwd)
+    return rule
 
 
 def chunked_gated_delta_rule(
-    recurrence,
+    rule,
     q,
     k,
     v,
@@ -280,30 +425,25 @@ def chunked_gated_delta_rule(
     use_qk_l2norm,
     chunk_size,
     pad_pow2,
+    operand_dtype=None,
     prec=None,
 ):
-    """Prologue (l2norm, time padding, WY transform), then a backend's ``recurrence`` (from `make_recurrence`).
+    """Runs a backend's ``rule`` (from `make_rule`); shapes as in api.chunk_gated_delta_rule.
 
     With ``pad_pow2`` (the Pallas kernels: Triton block shapes) K and V are zero padded to powers of two ≥ 16;
-    zero columns of q, k, W and U contribute nothing, and the padded rows/columns of the state stay zero.
+    the padded rows/columns of the state stay zero. ``operand_dtype`` defaults to q's dtype.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
-    prec = default_precision(q.dtype) if prec is None else prec
-    p = chunk_prep(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=C)
-    Kp, Vp = (_round_up_pow2(K), _round_up_pow2(V)) if pad_pow2 else (K, V)
-
-    def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]
-        x = x.reshape(B, H, -1, d)
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
-
-    qf, kf, wf = (flat(p[n], K, Kp) for n in ("q", "k", "w"))
-    uf = flat(p["u"], V, Vp)
-    gf = p["gcum"].reshape(B, H, -1, 1)
-    s0 = jnp.zeros((B, H, Kp, Vp), _F32)
-    if initial_state is not None:
-        s0 = s0.at[:, :, :K, :V].set(initial_state.astype(_F32))
-    o, s_final = recurrence(qf, kf, wf, uf, gf, s0, prec)
-    o = jnp.moveaxis(o[:, :, :T, :V], 1, 2).astype(q.dtype)
-    return o, (s_final[:, :, :K, :V] if output_final_state else None)
+    cfg = RuleConfig(
+        scale=float(scale),
+        use_qk_l2norm=bool(use_qk_l2norm),
+        chunk_size=chunk_size,
+        key_dim_padded=_round_up_pow2(K) if pad_pow2 else K,
+        value_dim_padded=_round_up_pow2(V) if pad_pow2 else V,
+        operand_dtype=jnp.dtype(q.dtype if operand_dtype is None else operand_dtype),
+        prec=default_precision(q.dtype) if prec is None else prec,
+    )
+    s0 = jnp.zeros((B, H, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
+    o, s_final = rule(cfg, q, k, v, g, beta, s0)
+    return o, (s_final if output_final_state else None)

@@ -1,15 +1,23 @@
-"""Pallas GPU (Triton lowering) gated delta rule: forward and recomputing backward kernels.
+"""Pallas GPU (Triton lowering) gated delta rule: a sequential state kernel and chunk-parallel kernels.
 
-GPU grids have no execution order, so the chunk recurrence runs inside one program: one program per
-(batch, head, value tile) loops over all chunks with `fori_loop`, keeping its K×BV slice of the
-state in fp32 registers. Value tiles are independent (the recurrence never mixes value columns),
-so the grid parallelises over them; the backward's q/k/W/G gradients sum over value tiles, so each
-program writes a partial and the wrapper adds them. The forward used for training also writes the
-state at every chunk start ([B,H,N,K,V], the only thing the backward does not recompute).
+Forward (2 kernels):
+  ``gated_delta_state``   grid (B, H, V/BV): one program per value tile loops over the chunks with `fori_loop`,
+                          carrying only its K×BV slice of the state in fp32 registers and storing each chunk-start
+                          state S_n ([B,H,N,K,V] in the operand dtype). Value tiles are independent (the recurrence
+                          never mixes value columns), and the loop body has no C×C product to recompute per tile.
+  ``gated_delta_output``  grid (B, H, N), chunk-parallel from S_n (chunk_parallel.py).
+Backward (3 kernels): ``gated_delta_dv_local`` (chunk-parallel ((q kᵀ) ⊙ D)ᵀ dO), ``gated_delta_dstate`` (the
+reverse sequential dS pass, same layout as the state kernel, storing dν and each dS_{n+1}), ``gated_delta_grads``
+(chunk-parallel dq, dk, dW, dG).
+
+Dots take the operand dtype (bf16 inputs → bf16 tensor-core dots) with fp32 accumulation. Tiles, warps and stages
+per key dimension come from `GPU_CONFIGS`, sized so every kernel fits the H200's 232,448 B of shared memory per
+block (checked for every configuration by tests/test_compile_tier_gated_delta.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,160 +25,157 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import chunk_math as common
+from . import chunk_math, chunk_parallel
 
 _F32 = jnp.float32
 
 
-def _block_v(vp, kp):
-    # Register budget per program: the K×BV fp32 state plus (C,K) tiles of q, k, W. 64 columns for
-    # small heads, 32 once K reaches 128, keeps a 4-warp program from spilling heavily.
-    return min(vp, 32 if kp >= 128 else 64)
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    """Launch configuration of the gated delta kernels for one (padded) key dimension.
+
+    block_v_seq: value columns per program of the sequential kernels (state, dstate): their grid is
+    (B, H, V/block_v_seq), and the fp32 K×block_v_seq state lives in registers. block_v_par: value columns per
+    step of the chunk-parallel kernels' inner loop. warps_*/stages_*: Triton num_warps / num_stages (stages only
+    matter for the sequential kernels' chunk loop, whose next chunk's loads they prefetch).
+    """
+
+    block_v_seq: int
+    block_v_par: int
+    warps_seq: int
+    warps_par: int
+    stages_seq: int
 
 
-def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *maybe_states, C, N, prec):
-    states_ref = maybe_states[0] if maybe_states else None
+# Padded key dimension → configuration. Smaller value tiles for wider keys keep the K×BV state and the (C,K)
+# operand tiles within registers and shared memory (tests/test_compile_tier_gated_delta.py checks every entry).
+GPU_CONFIGS = {
+    16: GpuConfig(block_v_seq=64, block_v_par=64, warps_seq=4, warps_par=4, stages_seq=2),
+    32: GpuConfig(block_v_seq=64, block_v_par=64, warps_seq=4, warps_par=4, stages_seq=2),
+    64: GpuConfig(block_v_seq=64, block_v_par=64, warps_seq=4, warps_par=8, stages_seq=2),
+    128: GpuConfig(block_v_seq=32, block_v_par=64, warps_seq=4, warps_par=8, stages_seq=2),
+    256: GpuConfig(block_v_seq=32, block_v_par=32, warps_seq=8, warps_par=8, stages_seq=1),
+}
 
+
+# Dots of fp32 inputs: three TF32 tensor-core passes (~fp32 accuracy). Precision.HIGHEST lowers to FMA loops on
+# CUDA cores: every kernel at 255 registers with spills, and a 16-minute Triton compile at K=128. (Interpret mode
+# keeps HIGHEST: exact fp32 on the CPU.)
+FP32_DOTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def gpu_config(kp: int, vp: int, block_v: int | None = None) -> GpuConfig:
+    """The table's entry for padded key dim ``kp`` (the largest for wider keys), value tiles capped at ``vp``;
+    ``block_v`` overrides both value tiles (tests use it to exercise several tiles at small V)."""
+    cfg = GPU_CONFIGS.get(kp) or GPU_CONFIGS[max(GPU_CONFIGS)]
+    seq, par = (block_v, block_v) if block_v else (cfg.block_v_seq, cfg.block_v_par)
+    return dataclasses.replace(cfg, block_v_seq=min(seq, vp), block_v_par=min(par, vp))
+
+
+def _params(warps, stages=1):
+    return plt.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _state_kernel(k_ref, w_ref, u_ref, g_ref, s0_ref, states_ref, sT_ref, *, C, N, prec):
     def body(n, s):
-        sl = pl.ds(pl.multiple_of(n * C, C), C)
-        if states_ref is not None:
-            states_ref[n, :, :] = s
-        o, s = common.chunk_forward(q_ref[sl, :], k_ref[sl, :], w_ref[sl, :], u_ref[sl, :], g_ref[sl, :], s, prec)
-        o_ref[sl, :] = o.astype(o_ref.dtype)
-        return s
+        rows = pl.ds(pl.multiple_of(n * C, C), C)
+        states_ref[n, :, :] = s.astype(states_ref.dtype)
+        return chunk_math.state_step(k_ref[rows, :], w_ref[rows, :], u_ref[rows, :], g_ref[rows, :], s, prec)
 
     sT_ref[...] = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(_F32))
 
 
-def _bwd_kernel(
-    q_ref,
-    k_ref,
-    w_ref,
-    u_ref,
-    g_ref,
-    st_ref,
-    do_ref,
-    dsT_ref,
-    dq_ref,
-    dk_ref,
-    dw_ref,
-    du_ref,
-    dg_ref,
-    ds0_ref,
-    *,
-    C,
-    N,
-    prec,
-):
+def _dstate_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dsT_ref, dvn_ref, ds_after_ref, ds0_ref, *, C, N, prec):
     def body(i, ds):
         n = N - 1 - i
-        sl = pl.ds(pl.multiple_of(n * C, C), C)
-        dq, dk, dw, du, dg, ds = common.chunk_backward(
-            q_ref[sl, :],
-            k_ref[sl, :],
-            w_ref[sl, :],
-            u_ref[sl, :],
-            g_ref[sl, :],
-            st_ref[n, :, :],
-            do_ref[sl, :],
-            ds,
-            prec,
+        rows = pl.ds(pl.multiple_of(n * C, C), C)
+        ds_after_ref[n, :, :] = ds.astype(ds_after_ref.dtype)
+        dvn, ds = chunk_math.dstate_step(
+            q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], g_ref[rows, :], do_ref[rows, :], dvl_ref[rows, :], ds, prec
         )
-        dq_ref[sl, :] = dq
-        dk_ref[sl, :] = dk
-        dw_ref[sl, :] = dw
-        du_ref[sl, :] = du
-        dg_ref[sl, :] = dg
+        dvn_ref[rows, :] = dvn
         return ds
 
     ds0_ref[...] = jax.lax.fori_loop(0, N, body, dsT_ref[...].astype(_F32))
 
 
-def _params(num_warps, kp):
-    # Wider heads hold 3 (C, K) fp32 tiles plus the state per program: spread them over 8 warps.
-    return plt.CompilerParams(num_warps=num_warps or (8 if kp >= 128 else 4), num_stages=1)
-
-
-def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=False, block_v=None, num_warps=None):
-    B, H, Tp, Kp = q.shape
-    Vp = u.shape[-1]
-    C = chunk_size
-    N = Tp // C
-    bv = block_v or _block_v(Vp, Kp)
+def _seq_specs(Tp, Kp, N, bv):
+    """Block specs of the (B, H, V/bv) sequential grid: whole-sequence (T,K) and (T,bv) slabs, states, G."""
     full_k = pl.BlockSpec((None, None, Tp, Kp), lambda b, h, j: (b, h, 0, 0))
     tile_v = pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((None, None, Kp, bv), lambda b, h, j: (b, h, 0, j))
-    out_specs = [tile_v, state]
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)]
-    if save_states:
-        out_specs.append(pl.BlockSpec((None, None, N, Kp, bv), lambda b, h, j: (b, h, 0, 0, j)))
-        out_shape.append(jax.ShapeDtypeStruct((B, H, N, Kp, Vp), _F32))
-    outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, C=C, N=N, prec=prec),
-        grid=(B, H, Vp // bv),
-        in_specs=[
-            full_k,
-            full_k,
-            full_k,
-            tile_v,
-            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
-            state,
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(num_warps, Kp),
-        interpret=interpret,
-        name="gated_delta_fwd",
-    )(q, k, w, u, g, s0)
-    return outs[0], outs[1], (outs[2] if save_states else None)
-
-
-def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None, num_warps=None):
-    B, H, Tp, Kp = q.shape
-    Vp = u.shape[-1]
-    C = chunk_size
-    N = Tp // C
-    bv = block_v or _block_v(Vp, Kp)
-    nv = Vp // bv
-    full_k = pl.BlockSpec((None, None, Tp, Kp), lambda b, h, j: (b, h, 0, 0))
-    tile_v = pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j))
-    state = pl.BlockSpec((None, None, Kp, bv), lambda b, h, j: (b, h, 0, j))
+    states = pl.BlockSpec((None, None, N, Kp, bv), lambda b, h, j: (b, h, 0, 0, j))
     g_spec = pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0))
-    part_k = pl.BlockSpec((None, None, None, Tp, Kp), lambda b, h, j: (b, h, j, 0, 0))
-    part_g = pl.BlockSpec((None, None, None, Tp, 1), lambda b, h, j: (b, h, j, 0, 0))
-    dq, dk, dw, du, dg, ds0 = pl.pallas_call(
-        functools.partial(_bwd_kernel, C=C, N=N, prec=prec),
-        grid=(B, H, nv),
-        in_specs=[
-            full_k,
-            full_k,
-            full_k,
-            tile_v,
-            g_spec,
-            pl.BlockSpec((None, None, N, Kp, bv), lambda b, h, j: (b, h, 0, 0, j)),
-            tile_v,
-            state,
-        ],
-        out_specs=[part_k, part_k, part_k, tile_v, part_g, state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, nv, Tp, Kp), _F32)] * 3
-        + [
+    return full_k, tile_v, state, states, g_spec
+
+
+def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size=64, interpret=False, block_v=None):
+    """(o [B,H,Tp,Vp] operand dtype, s_final [B,H,Kp,Vp] fp32, states [B,H,N,Kp,Vp] operand dtype)."""
+    B, H, Tp, Kp = q.shape
+    Vp = u.shape[-1]
+    C, N = chunk_size, Tp // chunk_size
+    cfg = gpu_config(Kp, Vp, block_v)
+    bv = cfg.block_v_seq
+    full_k, tile_v, state, states_spec, g_spec = _seq_specs(Tp, Kp, N, bv)
+    states, s_final = pl.pallas_call(
+        functools.partial(_state_kernel, C=C, N=N, prec=prec),
+        grid=(B, H, Vp // bv),
+        in_specs=[full_k, full_k, tile_v, g_spec, state],
+        out_specs=[states_spec, state],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N, Kp, Vp), q.dtype), jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
+        compiler_params=_params(cfg.warps_seq, cfg.stages_seq),
+        interpret=interpret,
+        name="gated_delta_state",
+    )(k, w, u, g, s0)
+    o = chunk_parallel.output_call(
+        q,
+        k,
+        w,
+        u,
+        g,
+        states,
+        chunk_size=C,
+        block_v=cfg.block_v_par,
+        prec=prec,
+        compiler_params=_params(cfg.warps_par),
+        interpret=interpret,
+    )
+    return o, s_final, states
+
+
+def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None):
+    """(dq, dk, dw, du, dg, ds0), fp32, from the stored chunk-start states."""
+    B, H, Tp, Kp = q.shape
+    Vp = u.shape[-1]
+    C, N = chunk_size, Tp // chunk_size
+    cfg = gpu_config(Kp, Vp, block_v)
+    bv = cfg.block_v_seq
+    par = dict(chunk_size=C, block_v=cfg.block_v_par, prec=prec, compiler_params=_params(cfg.warps_par))
+    dvl = chunk_parallel.dv_local_call(q, k, g, do, interpret=interpret, **par)
+    full_k, tile_v, state, states_spec, g_spec = _seq_specs(Tp, Kp, N, bv)
+    dvn, ds_after, ds0 = pl.pallas_call(
+        functools.partial(_dstate_kernel, C=C, N=N, prec=prec),
+        grid=(B, H, Vp // bv),
+        in_specs=[full_k, full_k, full_k, g_spec, tile_v, tile_v, state],
+        out_specs=[tile_v, states_spec, state],
+        out_shape=[
             jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
-            jax.ShapeDtypeStruct((B, H, nv, Tp, 1), _F32),
+            jax.ShapeDtypeStruct((B, H, N, Kp, Vp), q.dtype),
             jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32),
         ],
-        compiler_params=_params(num_warps, Kp),
+        compiler_params=_params(cfg.warps_seq, cfg.stages_seq),
         interpret=interpret,
-        name="gated_delta_bwd",
-    )(q, k, w, u, g, states, do, dsT)
-    # Value tiles each saw only their columns of V: the q/k/W/G gradients are sums over tiles.
-    return dq.sum(2), dk.sum(2), dw.sum(2), du, dg.sum(2), ds0
+        name="gated_delta_dstate",
+    )(q, k, w, g, do, dvl, dsT)
+    dq, dk, dw, dg = chunk_parallel.grads_call(q, k, w, u, g, states, do, dvn, ds_after, interpret=interpret, **par)
+    return dq, dk, dw, dvn, dg, ds0
 
 
 @functools.cache
-def recurrence(chunk_size=64, interpret=False, block_v=None, num_warps=None):
-    """The custom_vjp recurrence for one static configuration (cached so jit sees one function)."""
-    kw = dict(chunk_size=chunk_size, interpret=interpret, block_v=block_v, num_warps=num_warps)
-    return common.make_recurrence(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
+def rule(chunk_size=64, interpret=False, block_v=None):
+    """The custom_vjp rule for one static configuration (cached so jit sees one function)."""
+    kw = dict(chunk_size=chunk_size, interpret=interpret, block_v=block_v)
+    return chunk_math.make_rule(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
 
 
 def chunk_gated_delta_rule_pallas_gpu(
@@ -187,12 +192,12 @@ def chunk_gated_delta_rule_pallas_gpu(
     chunk_size=64,
     interpret=False,
     block_v=None,
-    num_warps=None,
     prec=None,
 ):
-    rec = recurrence(chunk_size, interpret, block_v, num_warps)
-    return common.chunked_gated_delta_rule(
-        rec,
+    if prec is None and jnp.dtype(q.dtype) == jnp.float32 and not interpret:
+        prec = FP32_DOTS
+    return chunk_math.chunked_gated_delta_rule(
+        rule(chunk_size, interpret, block_v),
         q,
         k,
         v,

@@ -1,11 +1,13 @@
-"""Pallas TPU (Mosaic) gated delta rule: forward and recomputing backward kernels.
+"""Pallas TPU (Mosaic) gated delta rule: sequential state kernels and chunk-parallel kernels.
 
-TPU grids run in order, so the recurrence is the grid itself: grid (B, H, chunks) with the chunk
-axis "arbitrary" (sequential) and the fp32 K×V state carried across grid steps in a VMEM scratch
-buffer; each step sees one (C, ·) block of q, k, W, U, G, so Pallas double-buffers the HBM traffic.
-The backward walks the chunk axis in reverse through its index maps, carrying dS in VMEM and
-reading the chunk-start states the training forward saved. Same chunk math as the GPU kernel
-(`chunk_math`); only block specs, scratch handling and compiler params differ.
+The same split as the GPU backend (pallas_gpu.py), with TPU grids:
+  ``gated_delta_state``   grid (B, H, N), chunk axis "arbitrary" (TPU grids run in order): the fp32 K×V state is
+                          carried across grid steps in a VMEM scratch buffer, each step reads one (C, ·) block of
+                          k, W, U, G (double-buffered by Pallas) and writes its chunk-start state S_n.
+  ``gated_delta_dstate``  the reverse dS pass, walking the chunk axis backwards through its index maps.
+  ``gated_delta_output``, ``gated_delta_dv_local``, ``gated_delta_grads``: chunk-parallel on a fully "parallel"
+                          (B, H, N) grid (chunk_parallel.py), one V tile per program (the MXU takes whole tiles).
+Dots take the operand dtype (bf16 inputs → bf16 MXU passes) with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import chunk_math as common
+from . import chunk_math, chunk_parallel
 
 _F32 = jnp.float32
-_SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+_SEQUENTIAL = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+_PARALLEL = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
 
 
-def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *rest, prec, save_states):
-    states_ref, s_scr = (rest[0], rest[1]) if save_states else (None, rest[0])
+def _state_kernel(k_ref, w_ref, u_ref, g_ref, s0_ref, states_ref, sT_ref, s_scr, *, prec):
     n = pl.program_id(2)
 
     @pl.when(n == 0)
@@ -32,10 +34,8 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *rest,
         s_scr[...] = s0_ref[...].astype(_F32)
 
     s = s_scr[...]
-    if save_states:
-        states_ref[...] = s
-    o, s = common.chunk_forward(q_ref[...], k_ref[...], w_ref[...], u_ref[...], g_ref[...], s, prec)
-    o_ref[...] = o.astype(o_ref.dtype)
+    states_ref[...] = s.astype(states_ref.dtype)
+    s = chunk_math.state_step(k_ref[...], w_ref[...], u_ref[...], g_ref[...], s, prec)
     s_scr[...] = s
 
     @pl.when(n == pl.num_programs(2) - 1)
@@ -43,24 +43,8 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, s0_ref, o_ref, sT_ref, *rest,
         sT_ref[...] = s
 
 
-def _bwd_kernel(
-    q_ref,
-    k_ref,
-    w_ref,
-    u_ref,
-    g_ref,
-    st_ref,
-    do_ref,
-    dsT_ref,
-    dq_ref,
-    dk_ref,
-    dw_ref,
-    du_ref,
-    dg_ref,
-    ds0_ref,
-    ds_scr,
-    *,
-    prec,
+def _dstate_kernel(
+    q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dsT_ref, dvn_ref, ds_after_ref, ds0_ref, ds_scr, *, prec
 ):
     i = pl.program_id(2)
 
@@ -68,14 +52,12 @@ def _bwd_kernel(
     def _():
         ds_scr[...] = dsT_ref[...].astype(_F32)
 
-    dq, dk, dw, du, dg, ds = common.chunk_backward(
-        q_ref[...], k_ref[...], w_ref[...], u_ref[...], g_ref[...], st_ref[...], do_ref[...], ds_scr[...], prec
+    ds = ds_scr[...]
+    ds_after_ref[...] = ds.astype(ds_after_ref.dtype)
+    dvn, ds = chunk_math.dstate_step(
+        q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...], dvl_ref[...], ds, prec
     )
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dw_ref[...] = dw
-    du_ref[...] = du
-    dg_ref[...] = dg
+    dvn_ref[...] = dvn
     ds_scr[...] = ds
 
     @pl.when(i == pl.num_programs(2) - 1)
@@ -83,7 +65,7 @@ def _bwd_kernel(
         ds0_ref[...] = ds
 
 
-def _specs(C, Kp, Vp, N, reverse):
+def _seq_specs(C, Kp, Vp, N, reverse):
     n_of = (lambda n: N - 1 - n) if reverse else (lambda n: n)
     chunk_k = pl.BlockSpec((None, None, C, Kp), lambda b, h, n: (b, h, n_of(n), 0))
     chunk_v = pl.BlockSpec((None, None, C, Vp), lambda b, h, n: (b, h, n_of(n), 0))
@@ -93,61 +75,61 @@ def _specs(C, Kp, Vp, N, reverse):
     return chunk_k, chunk_v, chunk_g, state_n, state
 
 
-def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size=64, interpret=False):
+def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size=64, interpret=False):
+    """(o [B,H,Tp,Vp] operand dtype, s_final [B,H,Kp,Vp] fp32, states [B,H,N,Kp,Vp] operand dtype)."""
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
-    C = chunk_size
-    N = Tp // C
-    chunk_k, chunk_v, chunk_g, state_n, state = _specs(C, Kp, Vp, N, reverse=False)
-    out_specs = [chunk_v, state] + ([state_n] if save_states else [])
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32), jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)]
-    if save_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, H, N, Kp, Vp), _F32))
-    outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, prec=prec, save_states=save_states),
+    C, N = chunk_size, Tp // chunk_size
+    chunk_k, chunk_v, chunk_g, state_n, state = _seq_specs(C, Kp, Vp, N, reverse=False)
+    states, s_final = pl.pallas_call(
+        functools.partial(_state_kernel, prec=prec),
         grid=(B, H, N),
-        in_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[chunk_k, chunk_k, chunk_v, chunk_g, state],
+        out_specs=[state_n, state],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N, Kp, Vp), q.dtype), jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
         scratch_shapes=[pltpu.VMEM((Kp, Vp), _F32)],
-        compiler_params=_SEMANTICS,
+        compiler_params=_SEQUENTIAL,
         interpret=interpret,
-        name="gated_delta_fwd",
-    )(q, k, w, u, g, s0)
-    return outs[0], outs[1], (outs[2] if save_states else None)
+        name="gated_delta_state",
+    )(k, w, u, g, s0)
+    o = chunk_parallel.output_call(
+        q, k, w, u, g, states, chunk_size=C, block_v=Vp, prec=prec, compiler_params=_PARALLEL, interpret=interpret
+    )
+    return o, s_final, states
 
 
 def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False):
+    """(dq, dk, dw, du, dg, ds0), fp32, from the stored chunk-start states."""
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
-    C = chunk_size
-    N = Tp // C
-    chunk_k, chunk_v, chunk_g, state_n, state = _specs(C, Kp, Vp, N, reverse=True)
-    return tuple(
-        pl.pallas_call(
-            functools.partial(_bwd_kernel, prec=prec),
-            grid=(B, H, N),
-            in_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state_n, chunk_v, state],
-            out_specs=[chunk_k, chunk_k, chunk_k, chunk_v, chunk_g, state],
-            out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Kp), _F32)] * 3
-            + [
-                jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
-                jax.ShapeDtypeStruct((B, H, Tp, 1), _F32),
-                jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32),
-            ],
-            scratch_shapes=[pltpu.VMEM((Kp, Vp), _F32)],
-            compiler_params=_SEMANTICS,
-            interpret=interpret,
-            name="gated_delta_bwd",
-        )(q, k, w, u, g, states, do, dsT)
-    )
+    C, N = chunk_size, Tp // chunk_size
+    par = dict(chunk_size=C, block_v=Vp, prec=prec, compiler_params=_PARALLEL, interpret=interpret)
+    dvl = chunk_parallel.dv_local_call(q, k, g, do, **par)
+    chunk_k, chunk_v, chunk_g, state_n, state = _seq_specs(C, Kp, Vp, N, reverse=True)
+    dvn, ds_after, ds0 = pl.pallas_call(
+        functools.partial(_dstate_kernel, prec=prec),
+        grid=(B, H, N),
+        in_specs=[chunk_k, chunk_k, chunk_k, chunk_g, chunk_v, chunk_v, state],
+        out_specs=[chunk_v, state_n, state],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
+            jax.ShapeDtypeStruct((B, H, N, Kp, Vp), q.dtype),
+            jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32),
+        ],
+        scratch_shapes=[pltpu.VMEM((Kp, Vp), _F32)],
+        compiler_params=_SEQUENTIAL,
+        interpret=interpret,
+        name="gated_delta_dstate",
+    )(q, k, w, g, do, dvl, dsT)
+    dq, dk, dw, dg = chunk_parallel.grads_call(q, k, w, u, g, states, do, dvn, ds_after, **par)
+    return dq, dk, dw, dvn, dg, ds0
 
 
 @functools.cache
-def recurrence(chunk_size=64, interpret=False):
-    """The custom_vjp recurrence for one static configuration (cached so jit sees one function)."""
+def rule(chunk_size=64, interpret=False):
+    """The custom_vjp rule for one static configuration (cached so jit sees one function)."""
     kw = dict(chunk_size=chunk_size, interpret=interpret)
-    return common.make_recurrence(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
+    return chunk_math.make_rule(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
 
 
 def chunk_gated_delta_rule_pallas_tpu(
@@ -165,8 +147,8 @@ def chunk_gated_delta_rule_pallas_tpu(
     interpret=False,
     prec=None,
 ):
-    return common.chunked_gated_delta_rule(
-        recurrence(chunk_size, interpret),
+    return chunk_math.chunked_gated_delta_rule(
+        rule(chunk_size, interpret),
         q,
         k,
         v,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+_HI = jax.lax.Precision.HIGHEST  # the oracle must be exact fp32: no TF32 / single bf16 pass on GPU or TPU
 L2NORM_EPS = 1e-6  # the same eps as flash-linear-attention / transformers' l2norm
 
 
@@ -47,9 +48,9 @@ def naive_gated_delta_rule(
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
         s = s * jnp.exp(g_t)[..., None, None]
-        pred = jnp.einsum("bhkv,bhk->bhv", s, k_t)  # what the decayed state recalls for k_t
-        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * (v_t - pred))
-        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t) * scale
+        pred = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)  # what the decayed state recalls for k_t
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * (v_t - pred), precision=_HI)
+        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI) * scale
         return s, o_t
 
     s, o = jax.lax.scan(step, s0, (qs, ks, vs, gs, bs))

@@ -1,19 +1,19 @@
 """Chunked gated delta rule in plain XLA: the CPU default and every platform's fallback.
 
-The math is chunk_math's (WY prologue, chunk recurrence and its VJP); here the recurrence runs as batched XLA:
+The math is chunk_math's (WY prologue, chunk functions, `make_rule`'s custom_vjp); here the recurrence runs as
+batched XLA:
 
 - forward: a loop over chunks carries only the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ (U − W S_n),
   and emits each chunk's start state S_n and new values ν_n; the outputs O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n are
   then one batched product over all chunks (half the work per sequential step, forward and backward).
-- backward (hand-written, `chunk_math.make_recurrence`): only the dS recurrence is sequential,
+- backward: only the dS recurrence is sequential,
       dν_n = ((q kᵀ) ⊙ D)ᵀ dO_n + (k e^{G_C − G}) dS_{n+1},   dS_n = (q e^G)ᵀ dO_n + e^{G_C} dS_{n+1} − W_nᵀ dν_n,
   a reverse loop whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
-  dS_{n+1} known, `chunk_math.chunk_backward` gives each chunk's dq, dk, dW, dU, dG independently: one batched
-  (vmapped) call over all chunks.
+  dS_{n+1} known, `chunk_math.grads_tile`/`grads_finish` give each chunk's dq, dk, dW, dG independently: one
+  batched (vmapped) call over all chunks (dU = dν).
 
-The custom_vjp saves the inputs and the per-chunk start states only ([B,H,N,K,V], the size of one K-wide input at
-C = K), where autodiff through a scan kept every intermediate. Measured on the 2-core CPU (B=1, T=8K, 9 heads of
-64, fwd+bwd, with the prologue's own VJPs in chunk_math): 0.35 s → 0.28 s and 505 → 363 MiB of temporaries.
+Everything runs in fp32 (``operand_dtype=float32``): on a CPU bf16 dots are no faster, and this path is the
+fallback users compare against.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _decay_terms(g, C):
     return G, causal, G[..., -1:]
 
 
-def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size):
-    """Arrays [B,H,Tp,·] fp32, g [B,H,Tp,1] → (o [B,H,Tp,V], final state, start states [B,H,N,K,V] or None)."""
+def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size):
+    """Arrays [B,H,Tp,·] fp32, g [B,H,Tp,1] → (o [B,H,Tp,V], final state, start states [B,H,N,K,V])."""
     B, H, Tp, K = q.shape
     V = u.shape[-1]
     C = chunk_size
@@ -79,7 +79,7 @@ def fwd_call(q, k, w, u, g, s0, *, save_states, prec, chunk_size):
         0, N, body, (s0, jnp.zeros((B, H, N, K, V), _F32), jnp.zeros((B, H, N, C, V), _F32))
     )
     o = _mm("bhnck,bhnkv->bhncv", qd, s_start, prec) + _mm("bhnij,bhnjv->bhniv", scores, vn, prec)
-    return o.reshape(B, H, Tp, V), s, (s_start if save_states else None)
+    return o.reshape(B, H, Tp, V), s, s_start
 
 
 def bwd_call(q, k, w, u, g, states, do, ds_final, *, prec, chunk_size):
@@ -97,28 +97,32 @@ def bwd_call(q, k, w, u, g, states, do, ds_final, *, prec, chunk_size):
     gam = jnp.exp(glast)[..., None]
 
     def body(i, carry):  # ds = ∂L/∂S_{n+1}  →  ∂L/∂S_n, for n = N−1 … 0
-        ds, ds_after = carry
+        ds, ds_after, dvn_all = carry
         n = N - 1 - i
         dvn_o, ds_o, kd_n, w_n, gam_n = (_at(x, n) for x in (dvn_from_o, ds_from_o, kd, wc, gam))
         dvn = dvn_o + _mm("bhck,bhkv->bhcv", kd_n, ds, prec)
-        ds_after = _put(ds_after, ds, n)
-        return ds_o + gam_n * ds - _mm("bhck,bhcv->bhkv", w_n, dvn, prec), ds_after
+        ds_after, dvn_all = _put(ds_after, ds, n), _put(dvn_all, dvn, n)
+        return ds_o + gam_n * ds - _mm("bhck,bhcv->bhkv", w_n, dvn, prec), ds_after, dvn_all
 
-    ds0, ds_after = jax.lax.fori_loop(0, N, body, (ds_final, jnp.zeros((B, H, N, K, V), _F32)))  # [n]: ∂L/∂S_{n+1}
+    init = (ds_final, jnp.zeros((B, H, N, K, V), _F32), jnp.zeros((B, H, N, C, V), _F32))
+    ds0, ds_after, dvn = jax.lax.fori_loop(0, N, body, init)  # ds_after[n] = ∂L/∂S_{n+1}
 
     def flat(x):  # [B,H,N,...] -> [B·H·N, ...]
         return x.reshape((B * H * N,) + x.shape[3:])
 
-    per_chunk = jax.vmap(functools.partial(chunk_math.chunk_backward, prec=prec))
-    dq, dk, dw, du, dg, _ = per_chunk(*map(flat, (qc, kc, wc, uc, _chunked(g, C), states, doc, ds_after)))
+    def per_chunk(q, k, w, u, g, s, do, dvn, ds):
+        acc = chunk_math.grads_tile(chunk_math.grads_init(C, K), w, u, s, do, dvn, ds, prec)
+        return chunk_math.grads_finish(q, k, g, acc, prec)
+
+    dq, dk, dw, dg = jax.vmap(per_chunk)(*map(flat, (qc, kc, wc, uc, _chunked(g, C), states, doc, dvn, ds_after)))
     back = lambda x: x.reshape(B, H, Tp, x.shape[-1])  # noqa: E731
-    return back(dq), back(dk), back(dw), back(du), back(dg), ds0
+    return back(dq), back(dk), back(dw), back(dvn), back(dg), ds0
 
 
 @functools.cache
-def recurrence(chunk_size=64):
-    """The custom_vjp recurrence for one chunk size (cached so jit sees one function)."""
-    return chunk_math.make_recurrence(
+def rule(chunk_size=64):
+    """The custom_vjp rule for one chunk size (cached so jit sees one function)."""
+    return chunk_math.make_rule(
         functools.partial(fwd_call, chunk_size=chunk_size), functools.partial(bwd_call, chunk_size=chunk_size)
     )
 
@@ -128,7 +132,7 @@ def chunk_gated_delta_rule_xla(
 ):
     """Chunked forward in XLA with a hand-written backward. Shapes as in api.chunk_gated_delta_rule."""
     return chunk_math.chunked_gated_delta_rule(
-        recurrence(chunk_size),
+        rule(chunk_size),
         q,
         k,
         v,
@@ -140,5 +144,6 @@ def chunk_gated_delta_rule_xla(
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
         pad_pow2=False,
+        operand_dtype=jnp.float32,
         prec=prec,
     )
