@@ -18,6 +18,9 @@ def stage(
     clip_norm=1.0,
     train="all",
     loss_chunk=512,
+    loss_chunk_rows=0,
+    micro_batches=1,
+    master_dtype="float32",
     checkpoint_every=50,
     keep_checkpoints=2,
     synthetic_rate=0.0,
@@ -29,7 +32,11 @@ def stage(
     """One training stage: budget (steps, or tokens when steps == 0), data shape, AdamW + warmup/cosine schedule,
     which parameters train ('new': GDN + fusion only; 'all'), loss weights, checkpoint interval, and ``remat``:
     recompute each student layer in the backward pass (keeps one layer's activations instead of all of them, for
-    about one more forward pass of compute)."""
+    about one more forward pass of compute). Memory: ``micro_batches`` accumulates the f32 gradient over that many
+    row groups per step (same loss and gradient as the whole batch); the logits loss works on tiles of
+    ``loss_chunk_rows`` rows (0: all rows of a micro-batch) × ``loss_chunk`` tokens. ``master_dtype``: "float32"
+    trains f32 master parameters and AdamW moments while the model computes in its own dtype; "param" keeps them
+    in the model's parameter dtype."""
     return ConfigDict(
         dict(
             steps=steps,
@@ -43,6 +50,9 @@ def stage(
             clip_norm=clip_norm,
             train=train,
             loss_chunk=loss_chunk,
+            loss_chunk_rows=loss_chunk_rows,
+            micro_batches=micro_batches,
+            master_dtype=master_dtype,
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
             synthetic_rate=synthetic_rate,

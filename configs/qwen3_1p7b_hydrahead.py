@@ -43,6 +43,7 @@ def get_config(arg: str | None = None):
         checkpoint_every=500,
         keep_checkpoints=3,
         loss_chunk=1024,
+        micro_batches=4,
     )
     c.stage2 = stage(
         tokens=9 * B // 2,
@@ -55,6 +56,8 @@ def get_config(arg: str | None = None):
         checkpoint_every=1000,
         keep_checkpoints=3,
         loss_chunk=1024,
+        loss_chunk_rows=1,
+        micro_batches=8,
         remat=True,
     )
     # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
@@ -73,6 +76,8 @@ def get_config(arg: str | None = None):
         checkpoint_every=500,
         keep_checkpoints=3,
         loss_chunk=2048,
+        loss_chunk_rows=1,
+        micro_batches=4,
         remat=True,
     )
     if arg == "25pct":

@@ -15,9 +15,13 @@ Stage 3 (long), next-token cross-entropy, optionally + w · L_KL:
 
     L_CE = Σ_{b,t} m_{b,t} · (logsumexp(z_{b,t}) − z_{b,t,y_{b,t}})  /  Σ m
 
-Logits are never materialised for the whole sequence: the final hidden states [B,T,d] are cut into token
-chunks of C and a ``lax.scan`` computes each chunk's [B,C,V] logits with ``logits_from_hidden``. The chunk body
-is rematerialised (``jax.checkpoint``), so the backward pass also holds only one chunk of logits at a time.
+Logits are never materialised for the whole batch: the final hidden states [B,T,d] are cut into tiles of R rows
+× C tokens and a ``lax.scan`` computes each tile's [R,C,V] logits with ``logits_from_hidden``. The tile body is
+rematerialised (``jax.checkpoint``), so the backward pass also holds only one tile of logits at a time: the loss
+buffer is R · C · V f32 values (per device: R / data-parallel devices rows), set by the config, whatever B and T.
+R = 0 (or R ≥ B) keeps all rows in every tile. The R rows of tile r are rows r, r + n_r, r + 2·n_r, ... (n_r = B/R,
+``interleaved_row_groups``): rows sharded contiguously over the data-parallel devices stay on their device, and
+every device works on every tile.
 """
 
 from __future__ import annotations
@@ -53,16 +57,45 @@ def align_loss(
     return jnp.sum(per_layer), per_layer
 
 
-def _chunked(h: jax.Array, chunk: int) -> tuple[jax.Array, int]:
-    """[B,T,...] → [n, B, C, ...] with T zero-padded to a multiple of C (padding is masked out by the caller)."""
+def interleaved_row_groups(x: jax.Array, groups: int) -> jax.Array:
+    """[B, ...] → [groups, B/groups, ...], group g = rows g, g + groups, g + 2·groups, ... (x[g::groups]).
+
+    Row i·groups + g of a batch whose rows are sharded contiguously over D devices lives on device
+    ⌊i·groups·D / B⌋, so when (B/groups) % D == 0 every group keeps B/(groups·D) rows on each device: splitting
+    needs no communication and no device idles in a group.
+    """
+    b = x.shape[0]
+    if b % groups:
+        raise ValueError(f"cannot split {b} rows into {groups} equal groups; choose a divisor of {b}.")
+    return jnp.swapaxes(x.reshape((b // groups, groups) + x.shape[1:]), 0, 1)
+
+
+def _chunked(h: jax.Array, chunk: int, rows: int = 0) -> jax.Array:
+    """[B,T,...] → [n_r·n_t, R, C, ...]: tiles of R rows (``interleaved_row_groups``; R = B when rows is 0 or ≥ B)
+    × C tokens, T zero-padded to a multiple of C (padding is masked out by the caller)."""
     b, t = h.shape[:2]
     chunk = max(1, min(int(chunk), t))
     n = -(-t // chunk)
     pad = n * chunk - t
     if pad:
         h = jnp.pad(h, [(0, 0), (0, pad)] + [(0, 0)] * (h.ndim - 2))
-    h = h.reshape((b, n, chunk) + h.shape[2:])
-    return jnp.moveaxis(h, 1, 0), n
+    if not rows or rows >= b:
+        h = h.reshape((b, n, chunk) + h.shape[2:])
+        return jnp.moveaxis(h, 1, 0)
+    g = interleaved_row_groups(h, b // check_row_chunk(rows, b))  # [n_r, R, n·C, ...]
+    g = g.reshape(g.shape[:2] + (n, chunk) + g.shape[3:])
+    g = jnp.moveaxis(g, 2, 1)  # [n_r, n, R, C, ...]
+    return g.reshape((g.shape[0] * n,) + g.shape[2:])
+
+
+def check_row_chunk(rows: int, batch_rows: int) -> int:
+    """The rows per logits tile, refused unless it divides the batch rows."""
+    if rows <= 0 or batch_rows % rows:
+        raise ValueError(
+            f"loss_chunk_rows={rows} must be a positive divisor of the {batch_rows} rows a (micro-)batch holds "
+            "(or 0 for all rows); pick a divisor that is also a multiple of the data-parallel device count."
+        )
+    return rows
 
 
 def _scan_token_chunks(body, xs, chunk_totals_init):
@@ -84,12 +117,13 @@ def chunked_kl(
     mask: jax.Array,
     *,
     chunk: int = 512,
+    rows: int = 0,
     temperature: float = 1.0,
 ) -> jax.Array:
-    """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in token chunks of ``chunk``."""
-    hs, _ = _chunked(student_hidden, chunk)
-    ht, _ = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk)
-    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+    """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in tiles of ``rows`` × ``chunk``."""
+    hs = _chunked(student_hidden, chunk, rows)
+    ht = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows)
 
     def body(x):
         h_s, h_t, m = x
@@ -105,12 +139,18 @@ def chunked_kl(
 
 
 def chunked_cross_entropy(
-    hidden: jax.Array, logits_fn: LogitsFn, targets: jax.Array, mask: jax.Array, *, chunk: int = 512
+    hidden: jax.Array,
+    logits_fn: LogitsFn,
+    targets: jax.Array,
+    mask: jax.Array,
+    *,
+    chunk: int = 512,
+    rows: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """(masked mean next-token CE, masked token accuracy), in token chunks of ``chunk``."""
-    hs, _ = _chunked(hidden, chunk)
-    ys, _ = _chunked(targets.astype(jnp.int32), chunk)
-    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+    """(masked mean next-token CE, masked token accuracy), in tiles of ``rows`` × ``chunk``."""
+    hs = _chunked(hidden, chunk, rows)
+    ys = _chunked(targets.astype(jnp.int32), chunk, rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows)
 
     def body(x):
         h, y, m = x

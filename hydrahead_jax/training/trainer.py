@@ -17,10 +17,20 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.training import memory
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer
 from hydrahead_jax.training.metrics import StageLogger, check_finite
-from hydrahead_jax.training.steps import LossSettings, make_optimizer, make_train_step
+from hydrahead_jax.training.steps import (
+    abstract_with_shardings,
+    cast_like,
+    f32_param_target,
+    jit_train_step,
+    make_train_step,
+    stage_layout,
+    stage_optimizer,
+    stage_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +58,6 @@ def total_steps(stage_cfg) -> int:
     return max(1, math.ceil(tokens / (int(stage_cfg.batch_size) * int(stage_cfg.seq_len))))
 
 
-def abstract_with_shardings(abstract_pure, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_pure, shardings)
-
-
 class TeacherHandle:
     """The frozen teacher, split once and placed on the mesh once; passed to every step as an argument."""
 
@@ -76,7 +82,9 @@ def run_stage(
     """Train (or resume, or skip when finished) one stage; returns the student's final full pure state."""
     scfg = spec.stage_cfg
     full_shardings = shd.state_shardings(abstract_student, mesh)
-    abs_full = abstract_with_shardings(nnx.as_pure(abstract_student), full_shardings)
+    # Checkpoints hold trained parameters in their master dtype: restore every Param as f32 (exact for any stored
+    # dtype); _train casts each half back to the dtype it trains or computes in.
+    abs_full = abstract_with_shardings(nnx.as_pure(f32_param_target(abstract_student)), full_shardings)
     ckpt = StageCheckpointer(
         spec.directory,
         save_every=int(scfg.checkpoint_every),
@@ -107,10 +115,26 @@ def run_stage(
         ckpt.close()
 
 
-def _split(graphdef, full_state, trainable):
-    model = nnx.merge(graphdef, full_state)
-    gd, params, frozen = nnx.split(model, trainable, ...)
-    return gd, params, frozen
+def _split(graphdef, full_state, trainable, layout):
+    """(trained params in the master dtype, frozen Variables in the model's dtypes) of a full pure state."""
+    _, params, frozen = nnx.split(nnx.merge(graphdef, full_state), trainable, ...)
+    return cast_like(nnx.as_pure(params), layout.abstract_state["params"]), cast_like(
+        nnx.as_pure(frozen), layout.abstract_state["frozen"]
+    )
+
+
+def _check_memory(compiled, spec, step_settings, data_parallel):
+    usage = memory.StepMemory.from_compiled(compiled)
+    limit = memory.device_memory_limit()
+    memory.report_step_memory(usage, limit, name=spec.directory.name, directory=spec.directory)
+    memory.check_fits(
+        usage,
+        limit,
+        where=f"config.{spec.config_key}",
+        micro_batches=step_settings.micro_batches,
+        batch_size=int(spec.stage_cfg.batch_size),
+        data_parallel=data_parallel,
+    )
 
 
 def _train(
@@ -128,52 +152,36 @@ def _train(
 ):
     scfg = spec.stage_cfg
     steps = total_steps(scfg)
-    settings = LossSettings(
-        kind=spec.kind,
-        kl_weight=float(scfg.get("kl_weight", 0.0)),
-        ce_weight=float(scfg.get("ce_weight", 1.0 if spec.kind == "long" else 0.0)),
-        temperature=float(scfg.get("temperature", 1.0)),
-        chunk=int(scfg.loss_chunk),
-        remat=bool(scfg.get("remat", False)),
-    )
+    data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    try:
+        settings, step_settings = stage_settings(scfg, spec.kind, data_parallel)
+    except ValueError as error:
+        raise ValueError(f"config.{spec.config_key}: {error}") from None
     if settings.needs_teacher and teacher is None:
         raise ValueError(f"stage {spec.config_key} ({spec.kind}) needs the teacher.")
-    tx, schedule = make_optimizer(
-        lr=float(scfg.lr),
-        warmup_steps=int(scfg.warmup_steps),
-        total_steps=steps,
-        end_lr_ratio=float(scfg.end_lr_ratio),
-        weight_decay=float(scfg.weight_decay),
-        clip_norm=float(scfg.clip_norm),
-    )
+    tx, schedule = stage_optimizer(scfg, steps)
 
-    # Structure and shardings of the trained / frozen halves and of the optimizer state.
-    gd, abs_params, abs_frozen = nnx.split(nnx.merge(student_graphdef, abstract_student), spec.trainable, ...)
-    if not jax.tree.leaves(abs_params):
+    # Structure, dtypes and shardings of the trained (master) / frozen halves and of the optimizer state.
+    layout = stage_layout(student_graphdef, abstract_student, spec.trainable, tx, mesh, step_settings)
+    gd, state_sh, batch_sh = layout.graphdef, layout.shardings, layout.batch_sharding
+    if not jax.tree.leaves(layout.model_params):
         raise ValueError(
             f"stage {spec.config_key}: the 'train' filter selects no parameters "
             f"(config.{spec.config_key}.train={scfg.train!r})."
         )
-    p_sh, f_sh = shd.state_shardings(abs_params, mesh), shd.state_shardings(abs_frozen, mesh)
-    pure_params = nnx.as_pure(abs_params)
-    o_sh = shd.optimizer_shardings(tx, pure_params, p_sh, mesh)
-    abs_opt = abstract_with_shardings(jax.eval_shape(tx.init, pure_params), o_sh)
-    state_sh = {"params": p_sh, "frozen": f_sh, "opt_state": o_sh, "step": shd.replicated(mesh)}
-    batch_sh = shd.batch_sharding(mesh, 2)
+    abs_opt = layout.abstract_state["opt_state"]
 
     iterator = spec.make_iterator()
     restored = ckpt.restore_latest(abs_full, abs_opt, iterator)
     if restored is not None:
         start, full, opt_state, meta = restored
         print(f"[{spec.directory.name}] resuming from step {start}/{steps}", flush=True)
-        _, params, frozen = _split(student_graphdef, full, spec.trainable)
-        params, frozen = nnx.as_pure(params), nnx.as_pure(frozen)
+        params, frozen = _split(student_graphdef, full, spec.trainable, layout)
     else:
         start = 0
         full = jax.device_put(initial_student(), full_shardings)
-        _, params, frozen = _split(student_graphdef, full, spec.trainable)
-        params, frozen = nnx.as_pure(params), nnx.as_pure(frozen)
-        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+        params, frozen = _split(student_graphdef, full, spec.trainable, layout)
+        opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
     state = {
         "params": params,
         "frozen": frozen,
@@ -186,15 +194,18 @@ def _train(
         ckpt.mark_done(start)
         return _full_state(gd, state)
 
-    step_fn = make_train_step(gd, None if teacher is None else teacher.graphdef, tx, settings, schedule)
+    step_fn = make_train_step(
+        gd,
+        None if teacher is None else teacher.graphdef,
+        tx,
+        settings,
+        schedule,
+        step_settings=step_settings,
+        model_params=layout.model_params,
+    )
     teacher_state = teacher.state if (teacher is not None and settings.needs_teacher) else None
     teacher_sh = teacher.shardings if teacher_state is not None else None
-    jstep = jax.jit(
-        step_fn,
-        in_shardings=(state_sh, teacher_sh, batch_sh),
-        out_shardings=(state_sh, shd.replicated(mesh)),
-        donate_argnums=(0,),
-    )
+    jstep = jit_train_step(step_fn, layout, teacher_sh)
 
     tokens_per_step = int(scfg.batch_size) * int(scfg.seq_len)
     logger = StageLogger(
@@ -207,10 +218,14 @@ def _train(
         progress=bool(logging_cfg.progress),
     )
     last_good = ckpt.steps()[-1] if ckpt.steps() else None
+    compiled = None
     try:
         for step in range(start, steps):
             batch = shd.put_batch(next(iterator), batch_sh)
-            state, metrics = jstep(state, teacher_state, batch)
+            if compiled is None:  # compile once, report its memory and refuse a step that cannot fit, then run it
+                compiled = jstep.lower(state, teacher_state, batch).compile()
+                _check_memory(compiled, spec, step_settings, data_parallel)
+            state, metrics = compiled(state, teacher_state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             done = step + 1
             check_finite(done, spec.config_key, metrics, last_good, ckpt.directory)
