@@ -150,11 +150,12 @@ def main(argv=None):
         key = {"align": "stage1", "distil": "stage2", "long": "stage3"}[kind]
         scfg = config[key]
         m = int(scfg.get("micro_batches", 1))
-        candidates = [c for c in memory.valid_micro_batches(int(scfg.batch_size), data_parallel) if c >= m]
-        if not candidates:
+        valid = memory.valid_micro_batches(int(scfg.batch_size), data_parallel)
+        if not valid:
             raise SystemExit(
                 f"{key}: batch_size={scfg.batch_size} cannot be split over {data_parallel} data-parallel devices."
             )
+        candidates = [c for c in valid if c >= m] or valid[-1:]  # the recipe's M, or the most this mesh allows
         m = candidates[0]
         while True:
             start = time.perf_counter()

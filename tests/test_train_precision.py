@@ -5,6 +5,7 @@ independently built optax AdamW on f32 copies. With master_dtype="param" (the ol
 weights and γ (≈ 1.0, bf16 ulp 2⁻⁷) cannot move at lr 1e-5: the test shows both.
 """
 
+import functools
 import shutil
 
 import jax
@@ -14,7 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from train_helpers import run_train
+from train_helpers import run_train as _run_train
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_student
@@ -130,7 +131,13 @@ def test_f32_model_takes_the_plain_path():
 def test_bf16_run_checkpoints_master_resumes_exactly_and_exports_bf16(tmp_path):
     """train.py on a bf16 tiny recipe: stage checkpoints hold f32 trained parameters (not bf16-representable
     after updates), a resume from step 2 reproduces step 4's master bit for bit, the export is bf16."""
-    dtypes = ("--config.teacher.model.param_dtype=bfloat16", "--config.teacher.model.dtype=bfloat16")
+    recipe = tmp_path / "tiny_bf16.py"
+    recipe.write_text(
+        "from configs import tiny\n\n\ndef get_config(arg=None):\n    c = tiny.get_config(arg)\n"
+        "    c.teacher.model.param_dtype = 'bfloat16'\n    c.teacher.model.dtype = 'bfloat16'\n    return c\n"
+    )
+    run_train = functools.partial(_run_train, config=recipe)
+    dtypes = ()
     stage = ("--config.stage1.steps=4", "--config.stage1.lr=1e-5", "--until_stage=align")
     a = tmp_path / "a"
     r = run_train(a, *dtypes, *stage)

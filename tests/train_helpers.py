@@ -17,8 +17,9 @@ def tiny_config():
     return tiny.get_config()
 
 
-def run_train(workdir, *overrides, timeout=600, wait=True):
-    """train.py on configs/tiny.py in a subprocess with ONE CPU device (the tests' 8-device flag removed)."""
+def run_train(workdir, *overrides, timeout=600, wait=True, config=None):
+    """train.py on configs/tiny.py (or the recipe file ``config``) in a subprocess with ONE CPU device (the tests'
+    8-device flag removed)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
@@ -31,7 +32,7 @@ def run_train(workdir, *overrides, timeout=600, wait=True):
         sys.executable,
         str(ROOT / "train.py"),
         "--config",
-        str(ROOT / "configs" / "tiny.py"),
+        str(config or ROOT / "configs" / "tiny.py"),
         "--workdir",
         str(workdir),
         *overrides,

@@ -32,6 +32,14 @@ import jax
 import jax.numpy as jnp
 
 LogitsFn = Callable[[jax.Array], jax.Array]
+# place_rows(x, axis) -> x with its row axis ``axis`` constrained to the batch's data-parallel sharding (or None).
+# XLA's propagation loses the row sharding through the tiling reshapes; without the constraint every device
+# would compute every row of a tile.
+RowPlacer = Callable[[jax.Array, int], jax.Array] | None
+
+
+def place(place_rows: RowPlacer, tree, axis: int):
+    return tree if place_rows is None else jax.tree.map(lambda x: place_rows(x, axis), tree)
 
 
 def masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
@@ -70,7 +78,7 @@ def interleaved_row_groups(x: jax.Array, groups: int) -> jax.Array:
     return jnp.swapaxes(x.reshape((b // groups, groups) + x.shape[1:]), 0, 1)
 
 
-def _chunked(h: jax.Array, chunk: int, rows: int = 0) -> jax.Array:
+def _chunked(h: jax.Array, chunk: int, rows: int = 0, place_rows: RowPlacer = None) -> jax.Array:
     """[B,T,...] → [n_r·n_t, R, C, ...]: tiles of R rows (``interleaved_row_groups``; R = B when rows is 0 or ≥ B)
     × C tokens, T zero-padded to a multiple of C (padding is masked out by the caller)."""
     b, t = h.shape[:2]
@@ -81,11 +89,11 @@ def _chunked(h: jax.Array, chunk: int, rows: int = 0) -> jax.Array:
         h = jnp.pad(h, [(0, 0), (0, pad)] + [(0, 0)] * (h.ndim - 2))
     if not rows or rows >= b:
         h = h.reshape((b, n, chunk) + h.shape[2:])
-        return jnp.moveaxis(h, 1, 0)
+        return place(place_rows, jnp.moveaxis(h, 1, 0), 1)
     g = interleaved_row_groups(h, b // check_row_chunk(rows, b))  # [n_r, R, n·C, ...]
     g = g.reshape(g.shape[:2] + (n, chunk) + g.shape[3:])
     g = jnp.moveaxis(g, 2, 1)  # [n_r, n, R, C, ...]
-    return g.reshape((g.shape[0] * n,) + g.shape[2:])
+    return place(place_rows, g.reshape((g.shape[0] * n,) + g.shape[2:]), 1)
 
 
 def check_row_chunk(rows: int, batch_rows: int) -> int:
@@ -98,12 +106,12 @@ def check_row_chunk(rows: int, batch_rows: int) -> int:
     return rows
 
 
-def _scan_token_chunks(body, xs, chunk_totals_init):
+def _scan_token_chunks(body, xs, chunk_totals_init, place_rows: RowPlacer = None):
     """Sum of body(chunk) over chunks, body rematerialised so backward keeps only one chunk's logits alive."""
     body = jax.checkpoint(body)
 
     def step(carry, x):
-        return jax.tree.map(jnp.add, carry, body(x)), None
+        return jax.tree.map(jnp.add, carry, body(place(place_rows, x, 0))), None
 
     total, _ = jax.lax.scan(step, chunk_totals_init, xs)
     return total
@@ -119,11 +127,12 @@ def chunked_kl(
     chunk: int = 512,
     rows: int = 0,
     temperature: float = 1.0,
+    place_rows: RowPlacer = None,
 ) -> jax.Array:
     """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in tiles of ``rows`` × ``chunk``."""
-    hs = _chunked(student_hidden, chunk, rows)
-    ht = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows)
-    ms = _chunked(mask.astype(jnp.float32), chunk, rows)
+    hs = _chunked(student_hidden, chunk, rows, place_rows)
+    ht = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows, place_rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows, place_rows)
 
     def body(x):
         h_s, h_t, m = x
@@ -134,7 +143,7 @@ def chunked_kl(
         kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B,C]
         return jnp.sum(kl * m)
 
-    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32))
+    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32), place_rows)
     return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature**2
 
 
@@ -146,11 +155,12 @@ def chunked_cross_entropy(
     *,
     chunk: int = 512,
     rows: int = 0,
+    place_rows: RowPlacer = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(masked mean next-token CE, masked token accuracy), in tiles of ``rows`` × ``chunk``."""
-    hs = _chunked(hidden, chunk, rows)
-    ys = _chunked(targets.astype(jnp.int32), chunk, rows)
-    ms = _chunked(mask.astype(jnp.float32), chunk, rows)
+    hs = _chunked(hidden, chunk, rows, place_rows)
+    ys = _chunked(targets.astype(jnp.int32), chunk, rows, place_rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows, place_rows)
 
     def body(x):
         h, y, m = x
@@ -159,6 +169,7 @@ def chunked_cross_entropy(
         correct = (jnp.argmax(z, axis=-1) == y).astype(jnp.float32)
         return jnp.sum(nll * m), jnp.sum(jax.lax.stop_gradient(correct) * m)
 
-    nll, correct = _scan_token_chunks(body, (hs, ys, ms), (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)))
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    nll, correct = _scan_token_chunks(body, (hs, ys, ms), zeros, place_rows)
     denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     return nll / denom, correct / denom

@@ -204,6 +204,7 @@ def plan_stage(config, kind: str, cfg, head_map, mesh, *, micro_batches: int | N
         schedule,
         step_settings=step_settings,
         model_params=layout.model_params,
+        batch_sharding=layout.batch_sharding,
     )
     compiled = jit_train_step(step, layout, t_shardings).lower(layout.abstract_state, t_abstract, batch).compile()
     return StepMemory.from_compiled(compiled)

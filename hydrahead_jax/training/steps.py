@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hydrahead_jax.models.transformer import remat_call
 from hydrahead_jax.training import losses
@@ -74,9 +75,13 @@ def _positions(ids: jax.Array) -> jax.Array:
 
 
 def compute_loss(
-    student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array], settings: LossSettings
+    student: nnx.Module,
+    teacher: nnx.Module | None,
+    batch: dict[str, jax.Array],
+    settings: LossSettings,
+    place_rows: losses.RowPlacer = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Scalar loss and metrics of one batch for the stage ``settings.kind``."""
+    """Scalar loss and metrics of one batch for the stage ``settings.kind`` (``place_rows``: see ``row_placer``)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     positions = _positions(ids)
     if settings.kind == "align":
@@ -104,12 +109,19 @@ def compute_loss(
             chunk=settings.chunk,
             rows=settings.chunk_rows,
             temperature=settings.temperature,
+            place_rows=place_rows,
         )
         metrics["kl"] = kl
         total = total + (1.0 if settings.kind == "distil" else settings.kl_weight) * kl
     if settings.kind == "long" or settings.ce_weight > 0:
         ce, acc = losses.chunked_cross_entropy(
-            h_s, student.logits_from_hidden, batch["targets"], mask, chunk=settings.chunk, rows=settings.chunk_rows
+            h_s,
+            student.logits_from_hidden,
+            batch["targets"],
+            mask,
+            chunk=settings.chunk,
+            rows=settings.chunk_rows,
+            place_rows=place_rows,
         )
         metrics["ce"], metrics["accuracy"] = ce, acc
         total = total + settings.ce_weight * ce
@@ -249,6 +261,22 @@ def stage_layout(student_graphdef, abstract_student, trainable, tx, mesh, step_s
     return StageLayout(gd, model_params, abstract_state, shardings, shd.batch_sharding(mesh, 2))
 
 
+def row_placer(batch_sharding) -> losses.RowPlacer:
+    """place_rows(x, axis): constrain x's axis ``axis`` to the rows' sharding of ``batch_sharding`` (a
+    NamedSharding of [B, T] batches), every other axis replicated. None when there is no sharding to keep."""
+    if batch_sharding is None:
+        return None
+    mesh, spec = batch_sharding.mesh, batch_sharding.spec
+    rows = spec[0] if len(spec) else None
+
+    def place(x, axis):
+        parts = [None] * x.ndim
+        parts[axis] = rows
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*parts)))
+
+    return place
+
+
 def jit_train_step(step_fn, layout: StageLayout, teacher_shardings):
     """``jax.jit`` of a ``make_train_step`` step with the layout's shardings; the train state is donated."""
     return jax.jit(
@@ -268,12 +296,15 @@ def make_train_step(
     *,
     step_settings: StepSettings = StepSettings(),
     model_params=None,
+    batch_sharding=None,
 ):
     """step(state, teacher_state, batch) -> (state, metrics); pure, to be wrapped in jax.jit by the caller.
 
     ``model_params``: the trained parameters as the model declares them (arrays or ShapeDtypeStructs; their
     dtypes are what the model computes with). Needed when the master copy differs from them (``uses_master``);
-    state["params"] then holds the master and each step casts it to these dtypes."""
+    state["params"] then holds the master and each step casts it to these dtypes. ``batch_sharding``: the batch's
+    NamedSharding; micro-batches and logits tiles keep their rows on it (``row_placer``)."""
+    place_rows = row_placer(batch_sharding)
     cast = model_params is not None and uses_master(model_params, step_settings)
     m = step_settings.micro_batches
 
@@ -282,7 +313,7 @@ def make_train_step(
             params = cast_like(params, model_params)
         student = nnx.merge(student_graphdef, params, frozen)
         teacher = None if teacher_state is None else nnx.merge(teacher_graphdef, teacher_state)
-        loss, metrics = compute_loss(student, teacher, batch, settings)
+        loss, metrics = compute_loss(student, teacher, batch, settings, place_rows)
         if weight is None:
             return loss, metrics
         return loss * weight, jax.tree.map(lambda x: x * weight, metrics)
@@ -291,7 +322,7 @@ def make_train_step(
 
     def accumulated(params, frozen, teacher_state, batch):
         """Σ_i (N_i/N)·(∇L_i, metrics_i) over the M interleaved row groups, summed in f32."""
-        groups = jax.tree.map(lambda x: losses.interleaved_row_groups(x, m), batch)
+        groups = losses.place(place_rows, jax.tree.map(lambda x: losses.interleaved_row_groups(x, m), batch), 1)
         counts = jnp.sum(groups["loss_mask"].astype(jnp.float32), axis=tuple(range(1, batch["loss_mask"].ndim + 1)))
         weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -301,6 +332,7 @@ def make_train_step(
 
         def body(carry, xs):
             group, weight = xs
+            group = losses.place(place_rows, group, 0)
             (_, metrics), grads = grad_fn(params, frozen, teacher_state, group, weight)
             add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
             return (jax.tree.map(add, carry[0], grads), jax.tree.map(add, carry[1], metrics)), None

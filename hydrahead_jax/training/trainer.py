@@ -202,6 +202,7 @@ def _train(
         schedule,
         step_settings=step_settings,
         model_params=layout.model_params,
+        batch_sharding=layout.batch_sharding,
     )
     teacher_state = teacher.state if (teacher is not None and settings.needs_teacher) else None
     teacher_sh = teacher.shardings if teacher_state is not None else None
