@@ -11,6 +11,11 @@ the layer-wise hybrid baselines), "random_7to1", "random_25pct" (random heads at
 Budget (tokens): stage 1 0.5B at seq 512 (align; new parameters only), stage 2 4.5B at seq 2048 (KL to the
 teacher), stage 3 10B at seq 16384 (next-token loss + 0.1·KL, 10 % synthetic retrieval rows) = 15B, in the shape
 of the HALO recipe (1e-3 → 1e-5, 1e-4 → 1e-5, 1e-5). Mesh: data over hosts, fsdp fills each host's chips.
+
+Memory: f32 master weights and AdamW moments, bf16 compute. ``micro_batches`` (gradient accumulation) and
+``loss_chunk_rows`` (rows per device in one logits tile) are set so every stage fits an 80 GB GPU on one 8-GPU node
+(fsdp=8); ``python bench/memory_plan.py --config configs/qwen3_1p7b_hydrahead.py --shapes qwen3 --devices 8`` prints
+the per-device figures (bench/RESULTS.md). On 32 devices stage 3's 32 rows allow only micro_batches=1.
 """
 
 from configs.common import base, stage
