@@ -21,6 +21,11 @@ Cluster defaults, and what they need:
                      --config.mesh.fsdp=<devices or fewer, dividing them>.
   selection.preset="paper"   the longer probes (SelectionConfig.paper()) for every selection setting not set here
                      or on the command line.
+
+Memory: f32 master weights and AdamW moments, bf16 compute. ``micro_batches`` (gradient accumulation) and
+``loss_chunk_rows`` (rows per device in one logits tile) are set so every stage fits an 80 GB GPU on one 8-GPU node
+(fsdp=8); ``python bench/memory_plan.py --config configs/qwen3_1p7b_hydrahead.py --shapes qwen3 --devices 8`` prints
+the per-device figures (bench/RESULTS.md). On 32 devices stage 3's 32 rows allow only micro_batches=1.
 """
 
 from configs.common import base, stage
@@ -54,6 +59,7 @@ def get_config(arg: str | None = None):
         checkpoint_every=500,
         keep_checkpoints=3,
         loss_chunk=1024,
+        micro_batches=4,
     )
     c.stage2 = stage(
         "stage2",
@@ -67,6 +73,8 @@ def get_config(arg: str | None = None):
         checkpoint_every=1000,
         keep_checkpoints=3,
         loss_chunk=1024,
+        loss_chunk_rows=1,
+        micro_batches=8,
         remat=True,
     )
     # Stages 2-3 rematerialise each layer: at 2K-16K tokens per row the 28 layers' activations, not the weights,
@@ -86,6 +94,8 @@ def get_config(arg: str | None = None):
         checkpoint_every=500,
         keep_checkpoints=3,
         loss_chunk=2048,
+        loss_chunk_rows=1,
+        micro_batches=4,
         remat=True,
     )
     if arg == "25pct":

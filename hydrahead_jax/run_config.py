@@ -48,6 +48,7 @@ STAGES = (
 SELECT = "select"  # stage 0: the head map
 STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
 TRAIN_CHOICES = ("new", "all")
+MASTER_DTYPES = ("float32", "param")
 LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
 PROBE_METHODS = ("retrieval", "ablation", "combined")  # need the teacher's tokenizer
 
@@ -175,7 +176,11 @@ class StageConfig:
     """One training stage: budget (``steps``, or ``tokens`` when steps == 0), data shape, AdamW with a linear
     warmup and a cosine decay to lr·end_lr_ratio, the parameters it trains (``train``, see ``Stage``), loss
     weights, checkpoint interval, and ``remat``: recompute each student layer in the backward pass (keeps one
-    layer's activations instead of all of them, for about one more forward pass of compute)."""
+    layer's activations instead of all of them, for about one more forward pass of compute). Memory:
+    ``micro_batches`` accumulates the f32 gradient over that many row groups per step (the same loss and gradient as
+    the whole batch); the logits loss works on tiles of ``loss_chunk_rows`` rows (0: all rows of a micro-batch) ×
+    ``loss_chunk`` tokens. ``master_dtype``: "float32" trains f32 master parameters and AdamW moments while the
+    model computes in its own dtype; "param" keeps them in the model's parameter dtype."""
 
     train: str  # no default here: the stage table's default_train (configs/common.py fills it in)
     steps: int = 0
@@ -188,6 +193,9 @@ class StageConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0  # 0 = no clipping
     loss_chunk: int = 512  # tokens per chunk of the logits losses
+    loss_chunk_rows: int = 0  # rows per device in one logits tile; 0 = all rows of a micro-batch
+    micro_batches: int = 1  # gradient accumulation: row groups per step
+    master_dtype: str = "float32"  # "float32" (f32 master weights + AdamW moments) or "param"
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     synthetic_rate: float = 0.0  # fraction of synthetic retrieval rows (corpus sources only)
@@ -213,6 +221,24 @@ class StageConfig:
             _require(getattr(self, name) >= 0, s, name, getattr(self, name), "must be >= 0", "0")
         _require(0 <= self.synthetic_rate < 1, s, "synthetic_rate", self.synthetic_rate, "must be in [0, 1)", "0.1")
         _require(self.temperature > 0, s, "temperature", self.temperature, "must be > 0", "1.0")
+        _require(self.loss_chunk_rows >= 0, s, "loss_chunk_rows", self.loss_chunk_rows, "must be >= 0", "0 (all rows)")
+        _require(self.micro_batches >= 1, s, "micro_batches", self.micro_batches, "must be >= 1", "1")
+        _require(
+            self.batch_size % self.micro_batches == 0,
+            s,
+            "micro_batches",
+            self.micro_batches,
+            f"must divide batch_size={self.batch_size}",
+            "a divisor of batch_size",
+        )
+        _require(
+            self.master_dtype in MASTER_DTYPES,
+            s,
+            "master_dtype",
+            self.master_dtype,
+            f"choose one of {MASTER_DTYPES}",
+            "float32",
+        )
 
     @property
     def total_steps(self) -> int:

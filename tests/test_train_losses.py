@@ -165,3 +165,61 @@ def test_remat_refuses_cache_and_intermediates():
         model.hidden_states(ids, intermediates={}, remat=True)
     with pytest.raises(ValueError, match="remat=True"):
         model.hidden_states(ids, cache=model.init_cache(1, 8), remat=True)
+
+
+def test_interleaved_row_groups_take_every_nth_row():
+    x = jnp.arange(12).reshape(6, 2)
+    g = losses.interleaved_row_groups(x, 3)
+    for j in range(3):
+        np.testing.assert_array_equal(g[j], x[j::3])
+    with pytest.raises(ValueError, match="divisor of 6"):
+        losses.interleaved_row_groups(x, 4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [3, 13])
+def test_row_and_token_tiles_match_numpy(rows, chunk):
+    """Tiles of rows × tokens give the one-shot KL and CE (each token lands in exactly one tile)."""
+    hs, ht, ws, wt, mask, targets = _setup(b=4, seed=3)
+    kl = losses.chunked_kl(
+        jnp.asarray(hs), jnp.asarray(ht), lambda h: h @ ws, lambda h: h @ wt, jnp.asarray(mask), chunk=chunk, rows=rows
+    )
+    ce, acc = losses.chunked_cross_entropy(
+        jnp.asarray(hs), lambda h: h @ ws, jnp.asarray(targets), jnp.asarray(mask), chunk=chunk, rows=rows
+    )
+    log_p = _np_log_softmax((ht @ wt).astype(np.float64))
+    log_q = _np_log_softmax((hs @ ws).astype(np.float64))
+    want_kl = ((np.exp(log_p) * (log_p - log_q)).sum(-1) * mask).sum() / mask.sum()
+    nll = -np.take_along_axis(log_q, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(kl), want_kl, rtol=1e-5)
+    np.testing.assert_allclose(float(ce), (nll * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(acc), ((log_q.argmax(-1) == targets) * mask).sum() / mask.sum(), rtol=1e-6)
+
+
+def test_row_tiles_differentiate_like_the_unchunked_loss():
+    hs, ht, ws, wt, mask, targets = _setup(b=4, seed=4)
+
+    def loss(w, rows, chunk):
+        kl = losses.chunked_kl(hs, ht, lambda h: h @ w, lambda h: h @ wt, mask, chunk=chunk, rows=rows)
+        return kl + losses.chunked_cross_entropy(hs, lambda h: h @ w, targets, mask, chunk=chunk, rows=rows)[0]
+
+    want = jax.grad(loss)(jnp.asarray(ws), 0, 13)  # one tile: the whole [B,T,V] at once
+    np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(ws), 2, 5), want, rtol=1e-5, atol=1e-6)
+
+
+def test_row_tiles_bound_the_logits_buffer():
+    """The compiled temporaries shrink with the tile's rows: the logits buffer is rows × chunk × V."""
+    b, t, d, v = 8, 64, 16, 4096
+    h = jnp.zeros((b, t, d))
+    w = jnp.zeros((d, v))
+    y = jnp.zeros((b, t), jnp.int32)
+    m = jnp.ones((b, t))
+
+    def temp(rows):
+        f = jax.jit(jax.grad(lambda w: losses.chunked_cross_entropy(h, lambda x: x @ w, y, m, chunk=32, rows=rows)[0]))
+        return f.lower(w).compile().memory_analysis().temp_size_in_bytes
+
+    full, one = temp(0), temp(1)
+    tile = 32 * v * 4  # one row's f32 logits tile
+    assert one < full / 4, (one, full)
+    assert full > b * tile > one, (one, full, tile)

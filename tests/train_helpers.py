@@ -18,8 +18,8 @@ def tiny_config():
 
 
 def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
-    """train.py on configs/<config> (tiny.py) in a subprocess with ONE CPU device (the tests' 8-device flag
-    removed)."""
+    """train.py on configs/<config> (tiny.py; an absolute path is used as it is) in a subprocess with ONE CPU
+    device (the tests' 8-device flag removed)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f

@@ -15,9 +15,13 @@ Stage 3 (long), next-token cross-entropy, optionally + w · L_KL:
 
     L_CE = Σ_{b,t} m_{b,t} · (logsumexp(z_{b,t}) − z_{b,t,y_{b,t}})  /  Σ m
 
-Logits are never materialised for the whole sequence: the final hidden states [B,T,d] are cut into token
-chunks of C and a ``lax.scan`` computes each chunk's [B,C,V] logits with ``logits_from_hidden``. The chunk body
-is rematerialised (``jax.checkpoint``), so the backward pass also holds only one chunk of logits at a time.
+Logits are never materialised for the whole batch: the final hidden states [B,T,d] are cut into tiles of R rows
+× C tokens and a ``lax.scan`` computes each tile's [R,C,V] logits with ``logits_from_hidden``. The tile body is
+rematerialised (``jax.checkpoint``), so the backward pass also holds only one tile of logits at a time: the loss
+buffer is R · C · V f32 values (per device: R / data-parallel devices rows), set by the config, whatever B and T.
+R = 0 (or R ≥ B) keeps all rows in every tile. The R rows of tile r are rows r, r + n_r, r + 2·n_r, ... (n_r = B/R,
+``interleaved_row_groups``): rows sharded contiguously over the data-parallel devices stay on their device, and
+every device works on every tile.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import jax
 import jax.numpy as jnp
 
 LogitsFn = Callable[[jax.Array], jax.Array]
+# place_rows(x, axis) -> x with its row axis ``axis`` constrained to the batch's data-parallel sharding (or None).
+# XLA's propagation loses the row sharding through the tiling reshapes; without the constraint every device
+# would compute every row of a tile.
+RowPlacer = Callable[[jax.Array, int], jax.Array] | None
+
+
+def place(place_rows: RowPlacer, tree, axis: int):
+    return tree if place_rows is None else jax.tree.map(lambda x: place_rows(x, axis), tree)
 
 
 def masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
@@ -53,24 +65,53 @@ def align_loss(
     return jnp.sum(per_layer), per_layer
 
 
-def _chunked(h: jax.Array, chunk: int) -> tuple[jax.Array, int]:
-    """[B,T,...] → [n, B, C, ...] with T zero-padded to a multiple of C (padding is masked out by the caller)."""
+def interleaved_row_groups(x: jax.Array, groups: int) -> jax.Array:
+    """[B, ...] → [groups, B/groups, ...], group g = rows g, g + groups, g + 2·groups, ... (x[g::groups]).
+
+    Row i·groups + g of a batch whose rows are sharded contiguously over D devices lives on device
+    ⌊i·groups·D / B⌋, so when (B/groups) % D == 0 every group keeps B/(groups·D) rows on each device: splitting
+    needs no communication and no device idles in a group.
+    """
+    b = x.shape[0]
+    if b % groups:
+        raise ValueError(f"cannot split {b} rows into {groups} equal groups; choose a divisor of {b}.")
+    return jnp.swapaxes(x.reshape((b // groups, groups) + x.shape[1:]), 0, 1)
+
+
+def _chunked(h: jax.Array, chunk: int, rows: int = 0, place_rows: RowPlacer = None) -> jax.Array:
+    """[B,T,...] → [n_r·n_t, R, C, ...]: tiles of R rows (``interleaved_row_groups``; R = B when rows is 0 or ≥ B)
+    × C tokens, T zero-padded to a multiple of C (padding is masked out by the caller)."""
     b, t = h.shape[:2]
     chunk = max(1, min(int(chunk), t))
     n = -(-t // chunk)
     pad = n * chunk - t
     if pad:
         h = jnp.pad(h, [(0, 0), (0, pad)] + [(0, 0)] * (h.ndim - 2))
-    h = h.reshape((b, n, chunk) + h.shape[2:])
-    return jnp.moveaxis(h, 1, 0), n
+    if not rows or rows >= b:
+        h = h.reshape((b, n, chunk) + h.shape[2:])
+        return place(place_rows, jnp.moveaxis(h, 1, 0), 1)
+    g = interleaved_row_groups(h, b // check_row_chunk(rows, b))  # [n_r, R, n·C, ...]
+    g = g.reshape(g.shape[:2] + (n, chunk) + g.shape[3:])
+    g = jnp.moveaxis(g, 2, 1)  # [n_r, n, R, C, ...]
+    return place(place_rows, g.reshape((g.shape[0] * n,) + g.shape[2:]), 1)
 
 
-def _scan_token_chunks(body, xs, chunk_totals_init):
+def check_row_chunk(rows: int, batch_rows: int) -> int:
+    """The rows per logits tile, refused unless it divides the batch rows."""
+    if rows <= 0 or batch_rows % rows:
+        raise ValueError(
+            f"loss_chunk_rows={rows} must be a positive divisor of the {batch_rows} rows a (micro-)batch holds "
+            "(or 0 for all rows); pick a divisor that is also a multiple of the data-parallel device count."
+        )
+    return rows
+
+
+def _scan_token_chunks(body, xs, chunk_totals_init, place_rows: RowPlacer = None):
     """Sum of body(chunk) over chunks, body rematerialised so backward keeps only one chunk's logits alive."""
     body = jax.checkpoint(body)
 
     def step(carry, x):
-        return jax.tree.map(jnp.add, carry, body(x)), None
+        return jax.tree.map(jnp.add, carry, body(place(place_rows, x, 0))), None
 
     total, _ = jax.lax.scan(step, chunk_totals_init, xs)
     return total
@@ -84,12 +125,14 @@ def chunked_kl(
     mask: jax.Array,
     *,
     chunk: int = 512,
+    rows: int = 0,
     temperature: float = 1.0,
+    place_rows: RowPlacer = None,
 ) -> jax.Array:
-    """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in token chunks of ``chunk``."""
-    hs, _ = _chunked(student_hidden, chunk)
-    ht, _ = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk)
-    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+    """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in tiles of ``rows`` × ``chunk``."""
+    hs = _chunked(student_hidden, chunk, rows, place_rows)
+    ht = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows, place_rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows, place_rows)
 
     def body(x):
         h_s, h_t, m = x
@@ -100,17 +143,24 @@ def chunked_kl(
         kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B,C]
         return jnp.sum(kl * m)
 
-    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32))
+    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32), place_rows)
     return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature**2
 
 
 def chunked_cross_entropy(
-    hidden: jax.Array, logits_fn: LogitsFn, targets: jax.Array, mask: jax.Array, *, chunk: int = 512
+    hidden: jax.Array,
+    logits_fn: LogitsFn,
+    targets: jax.Array,
+    mask: jax.Array,
+    *,
+    chunk: int = 512,
+    rows: int = 0,
+    place_rows: RowPlacer = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(masked mean next-token CE, masked token accuracy), in token chunks of ``chunk``."""
-    hs, _ = _chunked(hidden, chunk)
-    ys, _ = _chunked(targets.astype(jnp.int32), chunk)
-    ms, _ = _chunked(mask.astype(jnp.float32), chunk)
+    """(masked mean next-token CE, masked token accuracy), in tiles of ``rows`` × ``chunk``."""
+    hs = _chunked(hidden, chunk, rows, place_rows)
+    ys = _chunked(targets.astype(jnp.int32), chunk, rows, place_rows)
+    ms = _chunked(mask.astype(jnp.float32), chunk, rows, place_rows)
 
     def body(x):
         h, y, m = x
@@ -119,6 +169,7 @@ def chunked_cross_entropy(
         correct = (jnp.argmax(z, axis=-1) == y).astype(jnp.float32)
         return jnp.sum(nll * m), jnp.sum(jax.lax.stop_gradient(correct) * m)
 
-    nll, correct = _scan_token_chunks(body, (hs, ys, ms), (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)))
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    nll, correct = _scan_token_chunks(body, (hs, ys, ms), zeros, place_rows)
     denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     return nll / denom, correct / denom

@@ -34,6 +34,7 @@ from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config
 from hydrahead_jax.training.data import make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
+from hydrahead_jax.training.steps import cast_like, f32_param_target
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ def run_pipeline(
         final = export_final(
             workdir / "final",
             student_graphdef,
-            previous,
+            cast_like(previous, nnx.as_pure(abstract_student)),  # the master copy is training state: export as built
             cfg,
             head_map,
             run.hybrid,
@@ -234,7 +235,9 @@ def _final_of_previous(workdir: Path, index: int, abstract_student, mesh):
                 f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
                 f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
             )
-        target = abstract_with_shardings(nnx.as_pure(abstract_student), shd.state_shardings(abstract_student, mesh))
+        target = abstract_with_shardings(  # f32 Params: the stage saved its trained ones in their master dtype
+            nnx.as_pure(f32_param_target(abstract_student)), shd.state_shardings(abstract_student, mesh)
+        )
         state = ckpt.restore_model(target)
         if state is None:
             raise StageOrderError(

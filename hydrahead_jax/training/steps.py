@@ -1,9 +1,29 @@
 """The jitted, sharded train step of each stage (functional: nnx.split → jax.jit → nnx.merge).
 
 Train state (a plain pytree, donated to the step):
-    {"params": trainable student Params, "frozen": every other student Variable,
+    {"params": trainable student Params in the MASTER dtype, "frozen": every other student Variable,
      "opt_state": optax state of "params", "step": int32}
 The teacher is a separate pytree argument: never differentiated, never donated, held once for the whole run.
+
+Mixed precision (``StepSettings.master_dtype``): the trained parameters and the AdamW moments are kept in f32
+(the master copy) while the model computes in its own dtypes (the config's param/compute dtype, bf16 for the
+Qwen3 recipe). Each step casts the master to the model's parameter dtypes inside the differentiated function,
+
+    θ_compute = cast(θ_master),   g = ∂L/∂θ_master = cast⁻¹(∂L/∂θ_compute)   (f32),
+
+so gradients, their micro-batch sum, the global norm, clipping and the AdamW update are all f32 and an update far
+below one bf16 ulp of θ (lr 1e-5 on a weight near 1.0, whose ulp is 2⁻⁷) still accumulates in the master. When the
+model's parameters already are f32 (or master_dtype is "param") the cast is skipped: the step is exactly the plain
+one. The frozen teacher and the frozen student Variables stay in the model dtype.
+
+Gradient accumulation (``StepSettings.micro_batches`` = M): the global batch's rows are split into M interleaved
+groups (``losses.interleaved_row_groups``) and a ``lax.scan`` sums each group's f32 gradient. Every loss is a
+masked token mean Σ_i S_i / Σ_i N_i over the groups i (S: masked token sum, N: mask count), so group i's loss
+is weighted by N_i / N:
+
+    L = Σ_i (N_i / N) · L_i,      ∇L = Σ_i (N_i / N) · ∇L_i
+
+which is the full batch's loss and gradient up to f32 summation order, with one group's activations alive.
 """
 
 from __future__ import annotations
@@ -17,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hydrahead_jax.models.transformer import remat_call
 from hydrahead_jax.run_config import STAGES
 from hydrahead_jax.training import losses
+from hydrahead_jax.training import sharding as shd
 
 STAGE_KINDS = tuple(s.loss for s in STAGES)  # the losses compute_loss knows, one per row of the stage table
 
@@ -35,6 +57,7 @@ class LossSettings:
     ce_weight: float = 1.0  # next-token CE weight (stage 3; stage 2 adds CE too when > 0)
     temperature: float = 1.0
     chunk: int = 512  # token chunk of the logits loops
+    chunk_rows: int = 0  # global rows per logits tile (0: all rows of the micro-batch); tile = chunk_rows × chunk × V
     remat: bool = False  # rematerialise each student layer (attention block in stage 1) in the backward pass
 
     def __post_init__(self):
@@ -54,9 +77,13 @@ def _positions(ids: jax.Array) -> jax.Array:
 
 
 def compute_loss(
-    student: nnx.Module, teacher: nnx.Module | None, batch: dict[str, jax.Array], settings: LossSettings
+    student: nnx.Module,
+    teacher: nnx.Module | None,
+    batch: dict[str, jax.Array],
+    settings: LossSettings,
+    place_rows: losses.RowPlacer = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Scalar loss and metrics of one batch for the stage ``settings.kind``."""
+    """Scalar loss and metrics of one batch for the stage ``settings.kind`` (``place_rows``: see ``row_placer``)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     positions = _positions(ids)
     if settings.kind == "align":
@@ -82,18 +109,182 @@ def compute_loss(
             teacher.logits_from_hidden,
             mask,
             chunk=settings.chunk,
+            rows=settings.chunk_rows,
             temperature=settings.temperature,
+            place_rows=place_rows,
         )
         metrics["kl"] = kl
         total = total + (1.0 if settings.kind == "distil" else settings.kl_weight) * kl
     if settings.kind == "long" or settings.ce_weight > 0:
         ce, acc = losses.chunked_cross_entropy(
-            h_s, student.logits_from_hidden, batch["targets"], mask, chunk=settings.chunk
+            h_s,
+            student.logits_from_hidden,
+            batch["targets"],
+            mask,
+            chunk=settings.chunk,
+            rows=settings.chunk_rows,
+            place_rows=place_rows,
         )
         metrics["ce"], metrics["accuracy"] = ce, acc
         total = total + settings.ce_weight * ce
     metrics["loss"] = total
     return total, metrics
+
+
+MASTER_DTYPES = ("float32", "param")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """How one optimizer step is computed (from the stage config): micro-batches and the master dtype.
+
+    micro_batches: gradient-accumulation groups per step (1: the whole batch at once).
+    master_dtype: "float32" keeps trained parameters and optimizer state in f32 while the model computes in its
+        own dtype; "param" keeps them in the model's parameter dtype (no master copy: half the optimizer memory,
+        but bf16 updates below one ulp round away).
+    """
+
+    micro_batches: int = 1
+    master_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches!r} must be an integer >= 1.")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(f"master_dtype={self.master_dtype!r}; choose one of {MASTER_DTYPES}.")
+
+    def check_batch(self, batch_size: int, data_parallel: int, chunk_rows: int = 0) -> None:
+        """Refuse a batch the micro-batches and loss tiles cannot split evenly over the data-parallel devices."""
+        m = self.micro_batches
+        if batch_size % m or (batch_size // m) % data_parallel:
+            fits = [
+                k for k in range(1, batch_size + 1) if batch_size % k == 0 and (batch_size // k) % data_parallel == 0
+            ]
+            raise ValueError(
+                f"batch_size={batch_size} cannot be split into micro_batches={m} groups whose rows divide "
+                f"over the {data_parallel} data-parallel devices (data × fsdp); choose micro_batches in {fits} "
+                "or change batch_size."
+            )
+        rows = batch_size // m
+        if chunk_rows and chunk_rows < rows and rows % chunk_rows:
+            raise ValueError(
+                f"loss_chunk_rows={chunk_rows // data_parallel} (rows per device) must divide the "
+                f"{rows // data_parallel} rows per device of a micro-batch (or be 0 for all rows)."
+            )
+
+
+def stage_settings(stage_cfg, kind: str, data_parallel: int = 1) -> tuple[LossSettings, StepSettings]:
+    """(LossSettings, StepSettings) of one stage's typed config (``run_config.StageConfig``).
+
+    The config's ``loss_chunk_rows`` counts rows per data-parallel device (what bounds one device's logits tile,
+    whatever the mesh); the loss gets the global count, × ``data_parallel``. Refuses a batch the micro-batches
+    or tiles cannot split evenly (``StepSettings.check_batch``)."""
+    loss = LossSettings(
+        kind=kind,
+        kl_weight=stage_cfg.kl_weight,
+        ce_weight=stage_cfg.ce_weight,
+        temperature=stage_cfg.temperature,
+        chunk=stage_cfg.loss_chunk,
+        chunk_rows=stage_cfg.loss_chunk_rows * int(data_parallel),
+        remat=stage_cfg.remat,
+    )
+    step = StepSettings(micro_batches=stage_cfg.micro_batches, master_dtype=stage_cfg.master_dtype)
+    step.check_batch(stage_cfg.batch_size, int(data_parallel), loss.chunk_rows)
+    return loss, step
+
+
+def uses_master(model_params, settings: StepSettings) -> bool:
+    """True when the master copy differs from the model's parameters (some trained leaf is not f32)."""
+    return settings.master_dtype == "float32" and any(
+        jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32 for x in jax.tree.leaves(model_params)
+    )
+
+
+def to_master(params, settings: StepSettings):
+    """Trained parameters in the master dtype (floating leaves → f32; exact, no-op when already f32)."""
+    if settings.master_dtype != "float32":
+        return params
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def cast_like(tree, like):
+    """Each leaf of ``tree`` cast to the dtype of the matching leaf of ``like`` (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda x, ref: x if x.dtype == ref.dtype else x.astype(ref.dtype), tree, like)
+
+
+def f32_param_target(abstract_state: nnx.State) -> nnx.State:
+    """Abstract state with every floating nnx.Param in f32: the restore target of a student checkpoint, whatever
+    master dtype each stage saved its trained parameters in (Orbax casts on restore; bf16 → f32 is exact)."""
+
+    def one(v):
+        if isinstance(v, nnx.Param):
+            a = v.get_value()
+            if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float32:
+                return v.copy(jax.ShapeDtypeStruct(a.shape, jnp.float32))
+        return v
+
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Structure, dtypes and shardings of one stage's train state, shared by the trainer and the memory plan.
+
+    ``abstract_state``: {"params" (master dtype), "frozen", "opt_state", "step"} as ShapeDtypeStructs carrying
+    their shardings; ``model_params``: the trained parameters as the model declares them (compute dtypes)."""
+
+    graphdef: Any
+    model_params: Any
+    abstract_state: dict[str, Any]
+    shardings: dict[str, Any]
+    batch_sharding: Any
+
+
+def abstract_with_shardings(abstract_pure, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_pure, shardings)
+
+
+def stage_layout(student_graphdef, abstract_student, trainable, tx, mesh, step_settings: StepSettings) -> StageLayout:
+    """Split the abstract student by the ``trainable`` filter and lay out params, optimizer state and batch."""
+    gd, abs_params, abs_frozen = nnx.split(nnx.merge(student_graphdef, abstract_student), trainable, ...)
+    p_sh, f_sh = shd.state_shardings(abs_params, mesh), shd.state_shardings(abs_frozen, mesh)
+    model_params = nnx.as_pure(abs_params)
+    master = jax.eval_shape(lambda p: to_master(p, step_settings), model_params)
+    o_sh = shd.optimizer_shardings(tx, master, p_sh, mesh)
+    shardings = {"params": p_sh, "frozen": f_sh, "opt_state": o_sh, "step": shd.replicated(mesh)}
+    abstract_state = {
+        "params": abstract_with_shardings(master, p_sh),
+        "frozen": abstract_with_shardings(nnx.as_pure(abs_frozen), f_sh),
+        "opt_state": abstract_with_shardings(jax.eval_shape(tx.init, master), o_sh),
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=shd.replicated(mesh)),
+    }
+    return StageLayout(gd, model_params, abstract_state, shardings, shd.batch_sharding(mesh, 2))
+
+
+def row_placer(batch_sharding) -> losses.RowPlacer:
+    """place_rows(x, axis): constrain x's axis ``axis`` to the rows' sharding of ``batch_sharding`` (a
+    NamedSharding of [B, T] batches), every other axis replicated. None when there is no sharding to keep."""
+    if batch_sharding is None:
+        return None
+    mesh, spec = batch_sharding.mesh, batch_sharding.spec
+    rows = spec[0] if len(spec) else None
+
+    def place(x, axis):
+        parts = [None] * x.ndim
+        parts[axis] = rows
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*parts)))
+
+    return place
+
+
+def jit_train_step(step_fn, layout: StageLayout, teacher_shardings):
+    """``jax.jit`` of a ``make_train_step`` step with the layout's shardings; the train state is donated."""
+    return jax.jit(
+        step_fn,
+        in_shardings=(layout.shardings, teacher_shardings, layout.batch_sharding),
+        out_shardings=(layout.shardings, layout.shardings["step"]),
+        donate_argnums=(0,),
+    )
 
 
 def make_train_step(
@@ -102,18 +293,58 @@ def make_train_step(
     tx: optax.GradientTransformation,
     settings: LossSettings,
     schedule: Callable[[Any], Any],
+    *,
+    step_settings: StepSettings = StepSettings(),
+    model_params=None,
+    batch_sharding=None,
 ):
-    """step(state, teacher_state, batch) -> (state, metrics); pure, to be wrapped in jax.jit by the caller."""
+    """step(state, teacher_state, batch) -> (state, metrics); pure, to be wrapped in jax.jit by the caller.
 
-    def loss_fn(params, frozen, teacher_state, batch):
+    ``model_params``: the trained parameters as the model declares them (arrays or ShapeDtypeStructs; their
+    dtypes are what the model computes with). Needed when the master copy differs from them (``uses_master``);
+    state["params"] then holds the master and each step casts it to these dtypes. ``batch_sharding``: the batch's
+    NamedSharding; micro-batches and logits tiles keep their rows on it (``row_placer``)."""
+    place_rows = row_placer(batch_sharding)
+    cast = model_params is not None and uses_master(model_params, step_settings)
+    m = step_settings.micro_batches
+
+    def loss_fn(params, frozen, teacher_state, batch, weight):
+        if cast:
+            params = cast_like(params, model_params)
         student = nnx.merge(student_graphdef, params, frozen)
         teacher = None if teacher_state is None else nnx.merge(teacher_graphdef, teacher_state)
-        return compute_loss(student, teacher, batch, settings)
+        loss, metrics = compute_loss(student, teacher, batch, settings, place_rows)
+        if weight is None:
+            return loss, metrics
+        return loss * weight, jax.tree.map(lambda x: x * weight, metrics)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulated(params, frozen, teacher_state, batch):
+        """Σ_i (N_i/N)·(∇L_i, metrics_i) over the M interleaved row groups, summed in f32."""
+        groups = losses.place(place_rows, jax.tree.map(lambda x: losses.interleaved_row_groups(x, m), batch), 1)
+        counts = jnp.sum(groups["loss_mask"].astype(jnp.float32), axis=tuple(range(1, batch["loss_mask"].ndim + 1)))
+        weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        first = jax.tree.map(lambda x: x[0], groups)
+        metric_shapes = jax.eval_shape(lambda *a: loss_fn(*a, None)[1], params, frozen, teacher_state, first)
+        zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes)
+
+        def body(carry, xs):
+            group, weight = xs
+            group = losses.place(place_rows, group, 0)
+            (_, metrics), grads = grad_fn(params, frozen, teacher_state, group, weight)
+            add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
+            return (jax.tree.map(add, carry[0], grads), jax.tree.map(add, carry[1], metrics)), None
+
+        (grads, metrics), _ = jax.lax.scan(body, (zeros, zero_metrics), (groups, weights))
+        return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
 
     def step(state, teacher_state, batch):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], state["frozen"], teacher_state, batch
-        )
+        if m == 1:
+            (_, metrics), grads = grad_fn(state["params"], state["frozen"], teacher_state, batch, None)
+        else:
+            grads, metrics = accumulated(state["params"], state["frozen"], teacher_state, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
@@ -147,3 +378,15 @@ def make_optimizer(
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm and clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
     return optax.chain(*parts), schedule
+
+
+def stage_optimizer(stage_cfg, total_steps: int):
+    """``make_optimizer`` with one stage's typed config. Returns (tx, schedule)."""
+    return make_optimizer(
+        lr=stage_cfg.lr,
+        warmup_steps=stage_cfg.warmup_steps,
+        total_steps=total_steps,
+        end_lr_ratio=stage_cfg.end_lr_ratio,
+        weight_decay=stage_cfg.weight_decay,
+        clip_norm=stage_cfg.clip_norm,
+    )

@@ -17,10 +17,20 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.run_config import LoggingConfig, Stage, StageConfig
+from hydrahead_jax.training import memory
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer
 from hydrahead_jax.training.metrics import StageLogger, check_finite
-from hydrahead_jax.training.steps import LossSettings, make_optimizer, make_train_step
+from hydrahead_jax.training.steps import (
+    abstract_with_shardings,
+    cast_like,
+    f32_param_target,
+    jit_train_step,
+    make_train_step,
+    stage_layout,
+    stage_optimizer,
+    stage_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +45,6 @@ class StageSpec:
     trainable: Any  # nnx filter of the trained parameters
     make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
-
-
-def abstract_with_shardings(abstract_pure, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_pure, shardings)
 
 
 class TeacherHandle:
@@ -65,7 +71,9 @@ def run_stage(
     """Train (or resume, or skip when finished) one stage; returns the student's final full pure state."""
     scfg = spec.config
     full_shardings = shd.state_shardings(abstract_student, mesh)
-    abs_full = abstract_with_shardings(nnx.as_pure(abstract_student), full_shardings)
+    # Checkpoints hold trained parameters in their master dtype: restore every Param as f32 (exact for any stored
+    # dtype); _train casts each half back to the dtype it trains or computes in.
+    abs_full = abstract_with_shardings(nnx.as_pure(f32_param_target(abstract_student)), full_shardings)
     ckpt = StageCheckpointer(
         spec.directory,
         save_every=scfg.checkpoint_every,
@@ -96,10 +104,26 @@ def run_stage(
         ckpt.close()
 
 
-def _split(graphdef, full_state, trainable):
-    model = nnx.merge(graphdef, full_state)
-    gd, params, frozen = nnx.split(model, trainable, ...)
-    return gd, params, frozen
+def _split(graphdef, full_state, trainable, layout):
+    """(trained params in the master dtype, frozen Variables in the model's dtypes) of a full pure state."""
+    _, params, frozen = nnx.split(nnx.merge(graphdef, full_state), trainable, ...)
+    return cast_like(nnx.as_pure(params), layout.abstract_state["params"]), cast_like(
+        nnx.as_pure(frozen), layout.abstract_state["frozen"]
+    )
+
+
+def _check_memory(compiled, spec, step_settings, data_parallel):
+    usage = memory.StepMemory.from_compiled(compiled)
+    limit = memory.device_memory_limit()
+    memory.report_step_memory(usage, limit, name=spec.directory.name, directory=spec.directory)
+    memory.check_fits(
+        usage,
+        limit,
+        where=f"config.{spec.stage.config_key}",
+        micro_batches=step_settings.micro_batches,
+        batch_size=spec.config.batch_size,
+        data_parallel=data_parallel,
+    )
 
 
 def _train(
@@ -117,49 +141,33 @@ def _train(
 ):
     scfg, key = spec.config, spec.stage.config_key
     steps = scfg.total_steps
-    settings = LossSettings(
-        kind=spec.stage.loss,
-        kl_weight=scfg.kl_weight,
-        ce_weight=scfg.ce_weight,
-        temperature=scfg.temperature,
-        chunk=scfg.loss_chunk,
-        remat=scfg.remat,
-    )
+    data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    try:
+        settings, step_settings = stage_settings(scfg, spec.stage.loss, data_parallel)
+    except ValueError as error:
+        raise ValueError(f"config.{key}: {error}") from None
     if settings.needs_teacher and teacher is None:
         raise ValueError(f"stage {key} ({spec.stage.name}) needs the teacher.")
-    tx, schedule = make_optimizer(
-        lr=scfg.lr,
-        warmup_steps=scfg.warmup_steps,
-        total_steps=steps,
-        end_lr_ratio=scfg.end_lr_ratio,
-        weight_decay=scfg.weight_decay,
-        clip_norm=scfg.clip_norm,
-    )
+    tx, schedule = stage_optimizer(scfg, steps)
 
-    # Structure and shardings of the trained / frozen halves and of the optimizer state.
-    gd, abs_params, abs_frozen = nnx.split(nnx.merge(student_graphdef, abstract_student), spec.trainable, ...)
-    if not jax.tree.leaves(abs_params):
+    # Structure, dtypes and shardings of the trained (master) / frozen halves and of the optimizer state.
+    layout = stage_layout(student_graphdef, abstract_student, spec.trainable, tx, mesh, step_settings)
+    gd, state_sh, batch_sh = layout.graphdef, layout.shardings, layout.batch_sharding
+    if not jax.tree.leaves(layout.model_params):
         raise ValueError(f"stage {key}: the 'train' filter selects no parameters (config.{key}.train={scfg.train!r}).")
-    p_sh, f_sh = shd.state_shardings(abs_params, mesh), shd.state_shardings(abs_frozen, mesh)
-    pure_params = nnx.as_pure(abs_params)
-    o_sh = shd.optimizer_shardings(tx, pure_params, p_sh, mesh)
-    abs_opt = abstract_with_shardings(jax.eval_shape(tx.init, pure_params), o_sh)
-    state_sh = {"params": p_sh, "frozen": f_sh, "opt_state": o_sh, "step": shd.replicated(mesh)}
-    batch_sh = shd.batch_sharding(mesh, 2)
+    abs_opt = layout.abstract_state["opt_state"]
 
     iterator = spec.make_iterator()
     restored = ckpt.restore_latest(abs_full, abs_opt, iterator)
     if restored is not None:
         start, full, opt_state, meta = restored
         print(f"[{spec.directory.name}] resuming from step {start}/{steps}", flush=True)
-        _, params, frozen = _split(student_graphdef, full, spec.trainable)
-        params, frozen = nnx.as_pure(params), nnx.as_pure(frozen)
+        params, frozen = _split(student_graphdef, full, spec.trainable, layout)
     else:
         start = 0
         full = jax.device_put(initial_student(), full_shardings)
-        _, params, frozen = _split(student_graphdef, full, spec.trainable)
-        params, frozen = nnx.as_pure(params), nnx.as_pure(frozen)
-        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+        params, frozen = _split(student_graphdef, full, spec.trainable, layout)
+        opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
     state = {
         "params": params,
         "frozen": frozen,
@@ -172,15 +180,19 @@ def _train(
         ckpt.mark_done(start)
         return _full_state(gd, state)
 
-    step_fn = make_train_step(gd, None if teacher is None else teacher.graphdef, tx, settings, schedule)
+    step_fn = make_train_step(
+        gd,
+        None if teacher is None else teacher.graphdef,
+        tx,
+        settings,
+        schedule,
+        step_settings=step_settings,
+        model_params=layout.model_params,
+        batch_sharding=layout.batch_sharding,
+    )
     teacher_state = teacher.state if (teacher is not None and settings.needs_teacher) else None
     teacher_sh = teacher.shardings if teacher_state is not None else None
-    jstep = jax.jit(
-        step_fn,
-        in_shardings=(state_sh, teacher_sh, batch_sh),
-        out_shardings=(state_sh, shd.replicated(mesh)),
-        donate_argnums=(0,),
-    )
+    jstep = jit_train_step(step_fn, layout, teacher_sh)
 
     logger = StageLogger(
         workdir,
@@ -206,11 +218,15 @@ def _train(
     # non-finite loss stops the stage before that state is written.
     pending = None  # (step, its metrics still on the device)
     metrics: dict[str, float] = {}
+    compiled = None
     try:
         for step in range(start, steps):
             batch = shd.put_batch(next(iterator), batch_sh)
             with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
-                state, device_metrics = jstep(state, teacher_state, batch)
+                if compiled is None:  # compile once, report its memory and refuse a step that cannot fit
+                    compiled = jstep.lower(state, teacher_state, batch).compile()
+                    _check_memory(compiled, spec, step_settings, data_parallel)
+                state, device_metrics = compiled(state, teacher_state, batch)
             done = step + 1
             if pending is not None:
                 metrics = report(*pending)
