@@ -157,7 +157,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
     """
     from flax import nnx
 
-    from hydrahead_jax.data.pipeline import FEATURES
+    from hydrahead_jax.data.rows import FEATURES
     from hydrahead_jax.hybrid import build_model, new_param_filter
     from hydrahead_jax.models import Transformer
     from hydrahead_jax.run_config import STAGES
