@@ -8,7 +8,10 @@
 The recipe (with its --config.a.b=value overrides) is converted here, once, into a validated
 hydrahead_jax.run_config.RunConfig; a bad key or value is refused with the key and the fix before any work.
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
-checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new.
+checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new; a stage's lr
+and steps/tokens may change on a rerun (it continues with them; a finished stage given more steps trains on and
+the stages after it rerun). One run owns a workdir at a time (a lock a killed run does not leave behind).
+SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
 """
 
 import os
@@ -34,6 +37,7 @@ _FORCE_NEW = flags.DEFINE_bool(
     "(the old run is moved aside to WORKDIR.replaced-<time>).",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+PREEMPTED_EXIT_STATUS = 143  # SIGTERM: the last finished step was checkpointed, rerun to resume
 
 
 def _fail(message: str):
@@ -87,6 +91,7 @@ def main(argv):
     from hydrahead_jax.data.corpus import cache_dir
     from hydrahead_jax.training.errors import USER_ERRORS
     from hydrahead_jax.training.pipeline import run_pipeline
+    from hydrahead_jax.training.trainer import Preempted
 
     try:
         run = RunConfig.from_recipe(_CONFIG.value)  # the edge: everything below reads the typed config
@@ -100,6 +105,10 @@ def main(argv):
         run_pipeline(run, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value)
     except USER_ERRORS as error:
         _fail(str(error))
+    except Preempted as stop:
+        # 128 + SIGTERM: what a job killed by SIGTERM reports, so schedulers that requeue on it still do.
+        print(f"preempted: {stop}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_STATUS)
 
 
 if __name__ == "__main__":

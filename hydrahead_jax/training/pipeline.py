@@ -7,7 +7,9 @@ same workdir skips finished stages and resumes the unfinished one exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -31,7 +33,12 @@ from hydrahead_jax.run_config import (
 from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.selection.select import validate_config
 from hydrahead_jax.training import sharding as shd
-from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config
+from hydrahead_jax.training.checkpoint import (
+    StageCheckpointer,
+    WorkdirLock,
+    check_workdir_config,
+    finished_step,
+)
 from hydrahead_jax.training.data import make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
@@ -137,11 +144,17 @@ def run_pipeline(
 ) -> Path | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
 
-    Every check runs before any work: the RunConfig validated itself at the edge; here the mesh against the
-    devices, then (once the teacher is loaded) the tokenizer, selection settings and head map against it, and
-    the workdir's config fingerprint."""
+    The workdir is locked for the whole call (``WorkdirLock``: a second run on it is refused at once). Every
+    check runs before any work: the RunConfig validated itself at the edge; here the stage range, the mesh
+    against the devices, then (once the teacher is loaded) the tokenizer, selection settings and head map
+    against it, and the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
+    with WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _run_locked(run, workdir, stages, force_new)
+
+
+def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
     print(
@@ -183,16 +196,27 @@ def run_pipeline(
         return nnx.as_pure(nnx.state(student))
 
     previous = None
+    extended = False  # a finished stage continues to a raised step count: the finished stages after it are stale
     for index, stage in enumerate(STAGES):
         if stage.name not in stages:
             continue
         if previous is None and index > 0:
             previous = _final_of_previous(workdir, index, abstract_student, mesh)
         scfg = run.stage(stage)
+        stage_dir = workdir / stage.directory
+        final_step = finished_step(stage_dir)
+        if extended and stage_dir.exists():
+            aside = stage_dir.with_name(f"{stage_dir.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+            print(
+                f"[{stage.directory}] an earlier stage trained on: rerunning it (old run moved to {aside})", flush=True
+            )
+            stage_dir.rename(aside)
+        elif final_step is not None and final_step < scfg.total_steps:
+            extended = True
         spec = StageSpec(
             stage=stage,
             config=scfg,
-            directory=workdir / stage.directory,
+            directory=stage_dir,
             trainable=TRAINABLE[scfg.train],
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
@@ -216,7 +240,7 @@ def run_pipeline(
             cfg,
             head_map,
             run.hybrid,
-            teacher_source=run.teacher.source,
+            tokenizer=tokenizer,
             resolved_config=resolved,
         )
         print(f"exported the HydraHead model to {final}", flush=True)
