@@ -68,6 +68,8 @@ def _parse_flags(argv):
         return flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as error:
         _fail(_unknown_section(argv) or str(error))
+    except OSError as error:  # the --config file itself: missing, unreadable
+        _fail(f"--config: cannot read {error.filename or error} ({error.strerror or error}); give a configs/*.py file.")
 
 
 def _join_cluster(jax) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.config import ConfigError, ModelConfig
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
@@ -69,8 +69,29 @@ def load_teacher(teacher_cfg: TeacherConfig):
         return Transformer(cfg, rngs=nnx.Rngs(teacher_cfg.seed)), None, cfg
     from hydrahead_jax.models import load_pretrained
 
-    model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
+    try:
+        model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
+    except (OSError, ValueError, RuntimeError) as err:  # CheckpointError is a ValueError and names the file
+        detail = " ".join(str(err).split())[:400]
+        raise ConfigError(
+            f"config.teacher.source={teacher_cfg.source!r} does not load ({type(err).__name__}: {detail}). Fix: name "
+            "'smollm2-135m', a .gguf file or a complete Hugging Face folder (config.json, *.safetensors, "
+            "tokenizer.json); re-download a checkpoint whose files are cut short."
+        ) from None
     return model, tokenizer, model.cfg
+
+
+def check_batch_sizes(run: RunConfig, mesh) -> None:
+    """Every stage's batch splits evenly over the devices that hold batch rows (mesh axes data x fsdp)."""
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    for stage in STAGES:
+        size = run.stage(stage).batch_size
+        if size % rows:
+            raise ConfigError(
+                f"config.{stage.config_key}.batch_size={size} is not divisible by the {rows} devices of the data "
+                f"axis (mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}). Fix: "
+                f"--config.{stage.config_key}.batch_size={max(rows, size - size % rows)}, or a smaller mesh.data."
+            )
 
 
 def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> None:
@@ -99,6 +120,10 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
                 "them, or enwiki>."
             ) from None
     if sel.method == "given":
+        if Path(sel.head_map_path).is_dir():
+            raise ConfigError(
+                f"config.selection.head_map_path={sel.head_map_path!r} is a directory; name its head_map.json file."
+            )
         HeadMap.load(sel.head_map_path, cfg)
     elif sel.method not in ("all_fa", "all_la"):
         validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
@@ -157,6 +182,7 @@ def run_pipeline(
 def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
+    check_batch_sizes(run, mesh)
     print(
         f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True
     )
