@@ -63,13 +63,22 @@ def _unknown_section(argv) -> str | None:
     return None
 
 
+def _config_file_error(argv, error: OSError) -> str:
+    """One line for a --config file that does not load (ml_collections words it over several lines)."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if given is None and "--config" in argv[:-1]:
+        given = argv[argv.index("--config") + 1]
+    cause = [line.strip() for line in str(error).splitlines() if "Errno" in line or "Error" in line]
+    return f"--config {given}: the recipe does not load ({cause[-1] if cause else error}); give a configs/*.py file."
+
+
 def _parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as error:
         _fail(_unknown_section(argv) or str(error))
     except OSError as error:  # the --config file itself: missing, unreadable
-        _fail(f"--config: cannot read {error.filename or error} ({error.strerror or error}); give a configs/*.py file.")
+        _fail(_config_file_error(argv, error))
 
 
 def _join_cluster(jax) -> None:
@@ -96,7 +105,11 @@ def main(argv):
     from hydrahead_jax.training.trainer import Preempted
 
     try:
-        run = RunConfig.from_recipe(_CONFIG.value)  # the edge: everything below reads the typed config
+        recipe = _CONFIG.value  # ml_collections reports a --config file that does not load only here
+    except OSError as error:
+        _fail(_config_file_error(sys.argv, error))
+    try:
+        run = RunConfig.from_recipe(recipe)  # the edge: everything below reads the typed config
         if run.distributed:
             _join_cluster(jax)
         if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):

@@ -72,6 +72,8 @@ def test_sigkill_during_async_save_then_resume_matches(reference, tmp_path):
     assert 2 <= start < 10 and start % 2 == 0
     got = _losses(workdir)
     assert sorted(got) == list(range(1, 11))
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))  # steps redone after the kill are not logged twice
     for step in range(start + 1, 11):  # computed by the resumed process from the restored state
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
     for step in range(1, start + 1):

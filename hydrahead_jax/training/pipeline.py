@@ -277,13 +277,13 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
 def _final_of_previous(workdir: Path, index: int, abstract_student, mesh):
     """Final full state of the stage before STAGES[index] (which must have finished)."""
     stage, prev = STAGES[index], STAGES[index - 1]
+    if finished_step(workdir / prev.directory) is None:  # checked before a CheckpointManager (and its threads) exists
+        raise StageOrderError(
+            f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
+            f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
+        )
     ckpt = StageCheckpointer(workdir / prev.directory, save_every=1)
     try:
-        if not ckpt.done:
-            raise StageOrderError(
-                f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
-                f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
-            )
         target = abstract_with_shardings(nnx.as_pure(abstract_student), shd.state_shardings(abstract_student, mesh))
         state = ckpt.restore_model(target)
         if state is None:
