@@ -105,7 +105,8 @@ def main(argv):
     from hydrahead_jax.training.trainer import Preempted
 
     try:
-        recipe = _CONFIG.value  # ml_collections reports a --config file that does not load only here
+        recipe = _CONFIG.value
+        recipe.keys()  # a --config file that does not load raises here, at its first use
     except OSError as error:
         _fail(_config_file_error(sys.argv, error))
     try:

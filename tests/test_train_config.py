@@ -266,9 +266,11 @@ def test_fingerprint_ignores_mounts_and_loader_threads_but_not_the_math(tmp_path
     # a restart with the teacher mounted elsewhere, more loader threads, another mesh: the same run
     moved = run(teacher__source="/gcs/other/Qwen3-1.7B", data__num_threads=32, data__prefetch=4, mesh__fsdp=4)
     checkpoint.check_workdir_config(tmp_path, moved, qwen, force_new=False)
+    # a stage's lr and budget continue the run (checkpoint.CONTINUABLE_STAGE_KEYS)
+    checkpoint.check_workdir_config(tmp_path, run(stage3__lr=2e-5, stage2__tokens=10**9), qwen, force_new=False)
     for changed, model in [
-        (run(stage3__lr=2e-5), qwen),  # optimizer
-        (run(stage2__tokens=10**9), qwen),  # budget
+        (run(stage3__weight_decay=0.5), qwen),  # optimizer
+        (run(stage2__seq_len=512), qwen),  # data shape
         (run(data__source="/data/other"), qwen),  # data content
         (run(selection__ratio="3:1"), qwen),  # head map
         (run(), qwen.replace(num_layers=3)),  # the teacher itself
