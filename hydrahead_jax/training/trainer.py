@@ -251,7 +251,6 @@ def _train(
         nonlocal last_good, unconfirmed
         metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
         if not all_finite(metrics):
-            ckpt.wait()
             last_good = ckpt.retract_from(step - 1)  # S_{step-1} produced the non-finite values
             check_finite(step, key, metrics, last_good, ckpt.directory)
         if unconfirmed is not None and step == unconfirmed + 1:
@@ -259,7 +258,8 @@ def _train(
         logger.log(step, metrics)
         return metrics
 
-    params_finite = jax.jit(lambda tree: jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
+    # One device-side reduction (a bool read back) over the trained parameters, before each save.
+    params_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
 
     # The host runs one step ahead of its read-backs: step n is dispatched, then step n-1's metrics are read
     # (computed by then, so reading them does not leave the device idle).
