@@ -35,6 +35,7 @@ def test_nan_stop_keeps_a_finite_state_and_a_lower_lr_resumes_without_force_new(
     explode = ["--until_stage=align", "--config.stage1.train=all", "--config.stage1.checkpoint_every=1"]
     proc = run_train(tmp_path, *explode, "--config.stage1.lr=1e30", "--config.stage1.steps=8")
     assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr  # no Orbax noise
     bad_step = int(proc.stderr.split(" at step ")[1].split(";")[0])
     stage_dir = tmp_path / "stage1_align"
     kept = _saved_steps(stage_dir)

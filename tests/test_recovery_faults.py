@@ -1,7 +1,6 @@
-"""Continuing a finished run with more steps, and fault injection (issue 18): the tiny recipe, SIGKILLed at a random step of every training stage (each rerun
-resumes, then is killed in the next stage), must export parameters bit-identical to an uninterrupted run.
-
-Each seed costs four train.py processes (about 2-3 minutes on 2 CPU cores), hence @pytest.mark.slow."""
+"""Continuing a finished run with more steps, and fault injection (issue 18): the tiny recipe, SIGKILLed at a
+random step of every training stage (each rerun resumes, then is killed in the next stage), must export
+parameters bit-identical to an uninterrupted run. Each seed costs four train.py processes, hence slow."""
 
 import json
 import os

@@ -61,7 +61,10 @@ def test_recipe_values_survive_the_conversion_unchanged():
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: setattr(c.stage2, "lr", -1.0), "config.stage2.lr=-1.0: must be > 0. Fix: --config.stage2.lr=1e-4."),
+        (
+            lambda c: setattr(c.stage2, "lr", -1.0),
+            "config.stage2.lr=-1.0: must be a finite number > 0. Fix: --config.stage2.lr=1e-4.",
+        ),
         (lambda c: setattr(c.stage1, "train", "some"), "config.stage1.train='some': choose one of ('new', 'all')"),
         (lambda c: setattr(c.mesh, "fsdp", 0), "config.mesh.fsdp=0: must be -1 (fill) or >= 1"),
         (lambda c: setattr(c.data, "txt_split", "lines"), "config.data.txt_split='lines'"),
@@ -216,6 +219,8 @@ def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_
     folder = save_hf_folder(random_model(tiny_cfg(257), 0), tok, tmp_path / "teacher" / "short-vocab")
     recipe = tiny_config().to_dict()
     recipe["teacher"].update(source=str(folder), model={})
+    for stage in ("stage1", "stage2", "stage3"):
+        recipe[stage]["batch_size"] = 8  # splits over the 8 simulated devices (checked before the teacher loads)
     with pytest.raises(TokenizerModelMismatchError, match="only 257 embedding rows"):
         run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before the head map, before the workdir was touched

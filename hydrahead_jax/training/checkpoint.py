@@ -65,18 +65,23 @@ class WorkdirLock:
 
     The kernel drops the lock when its process exits, however it exits (SIGKILL, OOM kill, a lost node on a
     local disk), so a killed run never leaves its workdir stuck; the file's content (pid, host, start time) only
-    names the holder in the second process's error. On a multi-host run the coordinator process (index 0) holds
+    names the holder in the second process's error. The pipeline locks an existing workdir before any check (a
+    second run is refused at once) and creates a new one only after every check passed (a refused run leaves no
+    directory behind). On a multi-host run the coordinator process (index 0) holds
     it for all. Network filesystems must support flock (NFSv4 and Lustre do; where they do not, flock may fail
     with ENOLCK, reported with the path)."""
 
     NAME = ".lock"
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *, enabled: bool = True):
         self.workdir = Path(workdir)
+        self.enabled = enabled
         self._file = None
 
     def acquire(self) -> None:
-        """Take the lock or raise WorkdirError naming the holder."""
+        """Take the lock (a no-op when held already, or when not enabled) or raise WorkdirError naming the holder."""
+        if self._file is not None or not self.enabled:
+            return
         path = self.workdir / self.NAME
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -271,7 +276,7 @@ class StageCheckpointer:
         self.manager.wait_until_finished()
         for s in self.steps():
             if s >= step:
-                log.warning("deleting checkpoint step %d in %s: the step after it was non-finite", s, self.directory)
+                log.info("deleting checkpoint step %d in %s: the step after it was non-finite", s, self.directory)
                 self.manager.delete(s)
         left = self.steps()
         return left[-1] if left else None

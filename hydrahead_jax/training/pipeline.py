@@ -7,7 +7,6 @@ same workdir skips finished stages and resumes the unfinished one exactly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -175,11 +174,16 @@ def run_pipeline(
     against it, and the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
-    with WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
-        return _run_locked(run, workdir, stages, force_new)
+    lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)  # one process locks for a multi-host run
+    try:
+        if workdir.exists():
+            lock.acquire()  # a workdir in use is refused at once, before the teacher loads
+        return _run_locked(run, workdir, stages, force_new, lock)
+    finally:
+        lock.release()
 
 
-def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool) -> Path | None:
+def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
     check_batch_sizes(run, mesh)
@@ -188,6 +192,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     )
     teacher, tokenizer, cfg = load_teacher(run.teacher)
     validate_against_teacher(run, cfg, tokenizer)
+    lock.acquire()  # a new workdir is created (and claimed) only by a run that passed every check
     digest = check_workdir_config(workdir, run, cfg, force_new=force_new)
     resolved = run.to_dict()
 
