@@ -8,7 +8,10 @@
 The recipe (with its --config.a.b=value overrides) is converted here, once, into a validated
 hydrahead_jax.run_config.RunConfig; a bad key or value is refused with the key and the fix before any work.
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
-checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new.
+checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new; a stage's lr
+and steps/tokens may change on a rerun (it continues with them; a finished stage given more steps trains on and
+the stages after it rerun). One run owns a workdir at a time (a lock a killed run does not leave behind).
+SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
 """
 
 import os
@@ -34,6 +37,7 @@ _FORCE_NEW = flags.DEFINE_bool(
     "(the old run is moved aside to WORKDIR.replaced-<time>).",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+PREEMPTED_EXIT_STATUS = 143  # SIGTERM: the last finished step was checkpointed, rerun to resume
 
 
 def _fail(message: str):
@@ -59,11 +63,22 @@ def _unknown_section(argv) -> str | None:
     return None
 
 
+def _config_file_error(argv, error: OSError) -> str:
+    """One line for a --config file that does not load (ml_collections words it over several lines)."""
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if given is None and "--config" in argv[:-1]:
+        given = argv[argv.index("--config") + 1]
+    cause = [line.strip() for line in str(error).splitlines() if "Errno" in line or "Error" in line]
+    return f"--config {given}: the recipe does not load ({cause[-1] if cause else error}); give a configs/*.py file."
+
+
 def _parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as error:
         _fail(_unknown_section(argv) or str(error))
+    except OSError as error:  # the --config file itself: missing, unreadable
+        _fail(_config_file_error(argv, error))
 
 
 def _join_cluster(jax) -> None:
@@ -87,9 +102,15 @@ def main(argv):
     from hydrahead_jax.data.corpus import cache_dir
     from hydrahead_jax.training.errors import USER_ERRORS
     from hydrahead_jax.training.pipeline import run_pipeline
+    from hydrahead_jax.training.trainer import Preempted
 
     try:
-        run = RunConfig.from_recipe(_CONFIG.value)  # the edge: everything below reads the typed config
+        recipe = _CONFIG.value
+        recipe.keys()  # a --config file that does not load raises here, at its first use
+    except OSError as error:
+        _fail(_config_file_error(sys.argv, error))
+    try:
+        run = RunConfig.from_recipe(recipe)  # the edge: everything below reads the typed config
         if run.distributed:
             _join_cluster(jax)
         if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -100,6 +121,10 @@ def main(argv):
         run_pipeline(run, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value)
     except USER_ERRORS as error:
         _fail(str(error))
+    except Preempted as stop:
+        # 128 + SIGTERM: what a job killed by SIGTERM reports, so schedulers that requeue on it still do.
+        print(f"preempted: {stop}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_STATUS)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,16 @@
     final/head_map.json        the head map the student was built with
     final/model_config.json    ModelConfig of the teacher skeleton
     final/hybrid_config.json   HybridConfig
-    final/tokenizer.json       {"source": teacher source or null}: where load_tokenizer finds the tokenizer
+    final/tokenizer/           the teacher's tokenizer as a Hugging Face tokenizer folder (tokenizer.json,
+                               tokenizer_config.json); absent when the teacher had none (a random teacher)
     final/train_config.json    the resolved training config (RunConfig.to_dict(): provenance, and where the
                                evaluation reads the training length and the corpus's validation split)
+    final/MANIFEST.json        every other file with its size: a damaged export is named before Orbax reads it
 
-The folder is written under a temporary name and renamed into place, so it is complete or absent. This module
-lives outside ``training/`` so that loading a model (evaluation, serving) needs no training code.
+The folder is self-contained (no path to the teacher: it loads after the teacher moves). It is written under a
+temporary name and renamed into place, so it is complete or absent; a temporary folder left by a killed export is
+removed by the next one. This module lives outside ``training/`` so that loading a model (evaluation, serving)
+needs no training code.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model
 
+MANIFEST = "MANIFEST.json"
+TOKENIZER_DIR = "tokenizer"
+NEEDED = ("params", "head_map.json", "model_config.json", "hybrid_config.json")
+
+
+class DamagedExportError(RuntimeError):
+    """An export folder with a missing, truncated or unreadable part."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"this export is damaged: {what} (in {path}); rerun train.py on its workdir to export again.")
+
 
 def export_final(
     out: str | Path,
@@ -35,10 +50,19 @@ def export_final(
     head_map: HeadMap,
     hybrid_cfg: HybridConfig,
     *,
-    teacher_source: str | None,
+    tokenizer=None,
+    teacher_source: str | None = None,
     resolved_config: dict | None = None,
 ) -> Path:
+    """Write the folder (see the module doc). ``tokenizer``: the teacher's (models.tokenizer.Tokenizer); without
+    it, the one of ``teacher_source`` when that names a checkpoint."""
     out = Path(out).absolute()
+    if tokenizer is None and teacher_source not in (None, "random"):
+        from hydrahead_jax.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(teacher_source)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by an export that was killed (the caller owns out)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -48,10 +72,13 @@ def export_final(
         head_map.save(tmp / "head_map.json")
         (tmp / "model_config.json").write_text(cfg.to_json())
         (tmp / "hybrid_config.json").write_text(json.dumps(hybrid_cfg.to_dict(), indent=2, sort_keys=True))
-        source = None if teacher_source in (None, "random") else str(teacher_source)
-        (tmp / "tokenizer.json").write_text(json.dumps({"source": source}))
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
         if resolved_config is not None:
             (tmp / "train_config.json").write_text(json.dumps(resolved_config, indent=2, sort_keys=True, default=str))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+        (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -61,32 +88,90 @@ def export_final(
     return out
 
 
+def _save_tokenizer(tokenizer, folder: Path) -> None:
+    """A Hugging Face tokenizer folder that models.tokenizer.tokenizer_from_folder reads back identically."""
+    folder.mkdir()
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "_name_or_path": tokenizer.name}
+    (folder / "config.json").write_text(json.dumps(ids, indent=2))
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for kind, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
+        token = None if token_id is None else tokenizer.backend.id_to_token(token_id)
+        if token is not None:
+            tok_cfg[f"{kind}_token"] = token
+    if tokenizer.chat_template:
+        tok_cfg["chat_template"] = tokenizer.chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+
+
+def check_export(path: Path) -> None:
+    """Raise DamagedExportError naming the first missing or truncated file (from MANIFEST.json), before any read."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        return  # an export written before the manifest existed: Orbax's own errors are caught below instead
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DamagedExportError(path, f"{MANIFEST} does not read ({type(err).__name__}: {err})") from None
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            raise DamagedExportError(path, f"{name} is missing")
+        if file.stat().st_size != size:
+            raise DamagedExportError(path, f"{name} has {file.stat().st_size} bytes, {size} were written")
+
+
+def _short(err: BaseException) -> str:
+    """One line of a (possibly long, multi-line) Orbax/TensorStore error: its first status line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    status = [line for line in lines if any(code in line for code in ("NOT_FOUND", "DATA_LOSS", "INVALID_ARGUMENT"))]
+    line = (status or lines or [type(err).__name__])[0]
+    return f"{type(err).__name__}: {line[:240]}"
+
+
 def load_hydrahead(path: str | Path, *, device=None):
-    """(HydraHead Transformer, tokenizer or None) from an exported folder (``workdir/final``)."""
+    """(HydraHead Transformer, tokenizer or None) from an exported folder (``workdir/final``).
+
+    A missing, truncated or unreadable part raises DamagedExportError (one line naming it)."""
     path = Path(path).absolute()
-    needed = ("params", "head_map.json", "model_config.json", "hybrid_config.json")
-    missing = [n for n in needed if not (path / n).exists()]
-    if missing:
+    missing = [n for n in NEEDED if not (path / n).exists()]
+    if missing and not any((path / n).exists() for n in NEEDED):
         raise FileNotFoundError(
             f"{path} is not an exported HydraHead model (missing {missing}); export one with "
             "train.py (it writes WORKDIR/final when stage 3 finishes)."
         )
-    cfg = ModelConfig.from_dict(json.loads((path / "model_config.json").read_text()))
-    hybrid_cfg = HybridConfig.from_dict(json.loads((path / "hybrid_config.json").read_text()))
-    head_map = HeadMap.load(path / "head_map.json", cfg)
+    if missing:
+        raise DamagedExportError(path, f"{', '.join(missing)} missing")
+    check_export(path)
+    try:
+        cfg = ModelConfig.from_dict(json.loads((path / "model_config.json").read_text()))
+        hybrid_cfg = HybridConfig.from_dict(json.loads((path / "hybrid_config.json").read_text()))
+        head_map = HeadMap.load(path / "head_map.json", cfg)
+    except Exception as err:  # noqa: BLE001 — any unreadable config file means a damaged export
+        raise DamagedExportError(path, f"a config file does not read ({_short(err)})") from None
     abstract = nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid_cfg, nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), nnx.as_pure(abs_state))
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(path / "params", target)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            state = ckptr.restore(path / "params", target)
+    except Exception as err:  # noqa: BLE001 — Orbax/TensorStore raise many types for a damaged checkpoint
+        raise DamagedExportError(path, f"params/ does not restore ({_short(err)})") from None
     model = nnx.merge(graphdef, state)
-    tokenizer = None
-    tok_path = path / "tokenizer.json"
-    source = json.loads(tok_path.read_text()).get("source") if tok_path.exists() else None
-    if source:
-        from hydrahead_jax.models.loaders import resolve_source
-        from hydrahead_jax.models.tokenizer import load_tokenizer
+    return model, _load_tokenizer(path)
 
-        tokenizer = load_tokenizer(resolve_source(source))
-    return model, tokenizer
+
+def _load_tokenizer(path: Path):
+    """The export's own tokenizer folder; an older export's tokenizer.json that names the teacher's source."""
+    from hydrahead_jax.models.tokenizer import load_tokenizer, tokenizer_from_folder
+
+    folder = path / TOKENIZER_DIR
+    try:
+        if folder.is_dir():
+            return tokenizer_from_folder(folder)
+        legacy = path / "tokenizer.json"
+        source = json.loads(legacy.read_text()).get("source") if legacy.exists() else None
+        return load_tokenizer(source) if source else None
+    except Exception as err:  # noqa: BLE001
+        raise DamagedExportError(path, f"its tokenizer does not load ({_short(err)})") from None

@@ -197,7 +197,7 @@ class StageConfig:
     micro_batches: int = 1  # gradient accumulation: row groups per step
     master_dtype: str = "float32"  # "float32" (f32 master weights + AdamW moments) or "param"
     checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # confirmed checkpoints kept, plus the newest while its next step's loss is read
     synthetic_rate: float = 0.0  # fraction of synthetic retrieval rows (corpus sources only)
     kl_weight: float = 0.0  # long stage: + kl_weight · KL(teacher ‖ student)
     ce_weight: float = 0.0  # next-token cross-entropy weight (the long stage needs it or kl_weight > 0)
@@ -214,7 +214,7 @@ class StageConfig:
         )
         for name in ("seq_len", "batch_size", "loss_chunk", "checkpoint_every", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, s, name, getattr(self, name), "must be >= 1", "a positive integer")
-        _require(self.lr > 0, s, "lr", self.lr, "must be > 0", "1e-4")
+        _require(math.isfinite(self.lr) and self.lr > 0, s, "lr", self.lr, "must be a finite number > 0", "1e-4")
         _require(self.warmup_steps >= 0, s, "warmup_steps", self.warmup_steps, "must be >= 0", "10")
         _require(0 <= self.end_lr_ratio <= 1, s, "end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]", "0.1")
         for name in ("weight_decay", "clip_norm", "kl_weight", "ce_weight"):

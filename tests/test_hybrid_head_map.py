@@ -1,6 +1,8 @@
 """Head-map file, ratios, layer-wise maps, HybridConfig validation and cache sizes worked out by hand."""
 
 import json
+import os
+import stat
 
 import jax.numpy as jnp
 import pytest
@@ -135,6 +137,12 @@ def test_save_load_round_trip(tmp_path):
     assert data["format_version"] == 1 and data["granularity"] == "kv_group"
     assert data["model"] == {"name": "custom", "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
     assert [p.name for p in path.parent.iterdir()] == ["head_map.json"]  # no temporary file left behind
+    umask = os.umask(0o022)  # the usual umask: a shared artifact is readable by group and others
+    try:
+        hm.save(path)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
     loaded = HeadMap.load(path, CFG)
     assert loaded == hm
 

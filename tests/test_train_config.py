@@ -61,7 +61,10 @@ def test_recipe_values_survive_the_conversion_unchanged():
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: setattr(c.stage2, "lr", -1.0), "config.stage2.lr=-1.0: must be > 0. Fix: --config.stage2.lr=1e-4."),
+        (
+            lambda c: setattr(c.stage2, "lr", -1.0),
+            "config.stage2.lr=-1.0: must be a finite number > 0. Fix: --config.stage2.lr=1e-4.",
+        ),
         (lambda c: setattr(c.stage1, "train", "some"), "config.stage1.train='some': choose one of ('new', 'all')"),
         (lambda c: setattr(c.mesh, "fsdp", 0), "config.mesh.fsdp=0: must be -1 (fill) or >= 1"),
         (lambda c: setattr(c.data, "txt_split", "lines"), "config.data.txt_split='lines'"),
@@ -216,6 +219,8 @@ def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_
     folder = save_hf_folder(random_model(tiny_cfg(257), 0), tok, tmp_path / "teacher" / "short-vocab")
     recipe = tiny_config().to_dict()
     recipe["teacher"].update(source=str(folder), model={})
+    for stage in ("stage1", "stage2", "stage3"):
+        recipe[stage]["batch_size"] = 8  # splits over the 8 simulated devices (checked before the teacher loads)
     with pytest.raises(TokenizerModelMismatchError, match="only 257 embedding rows"):
         run_pipeline(RunConfig.from_recipe(recipe), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before the head map, before the workdir was touched
@@ -266,9 +271,11 @@ def test_fingerprint_ignores_mounts_and_loader_threads_but_not_the_math(tmp_path
     # a restart with the teacher mounted elsewhere, more loader threads, another mesh: the same run
     moved = run(teacher__source="/gcs/other/Qwen3-1.7B", data__num_threads=32, data__prefetch=4, mesh__fsdp=4)
     checkpoint.check_workdir_config(tmp_path, moved, qwen, force_new=False)
+    # a stage's lr and budget continue the run (checkpoint.CONTINUABLE_STAGE_KEYS)
+    checkpoint.check_workdir_config(tmp_path, run(stage3__lr=2e-5, stage2__tokens=10**9), qwen, force_new=False)
     for changed, model in [
-        (run(stage3__lr=2e-5), qwen),  # optimizer
-        (run(stage2__tokens=10**9), qwen),  # budget
+        (run(stage3__weight_decay=0.5), qwen),  # optimizer
+        (run(stage2__seq_len=512), qwen),  # data shape
         (run(data__source="/data/other"), qwen),  # data content
         (run(selection__ratio="3:1"), qwen),  # head map
         (run(), qwen.replace(num_layers=3)),  # the teacher itself

@@ -129,12 +129,12 @@ def test_workdir_of_another_config_is_refused(tmp_path):
     c2.logging.progress = True  # resume-safe fields may change
     c2.stage2.checkpoint_every = 7
     check_workdir_config(tmp_path, _run(c2), model, force_new=False)
-    c2.stage2.lr = 0.5
-    with pytest.raises(ConfigMismatchError, match=r"stage2\.lr: 0\.001 -> 0\.5.*--force_new"):
+    c2.stage2.weight_decay = 0.5
+    with pytest.raises(ConfigMismatchError, match=r"stage2\.weight_decay: 0\.0 -> 0\.5.*--force_new"):
         run_pipeline(_run(c2), tmp_path)
     check_workdir_config(tmp_path, _run(c2), model, force_new=True)
     assert list(tmp_path.parent.glob(f"{tmp_path.name}.replaced-*"))
-    assert json.loads((tmp_path / "run_config.json").read_text())["config"]["stage2"]["lr"] == 0.5
+    assert json.loads((tmp_path / "run_config.json").read_text())["config"]["stage2"]["weight_decay"] == 0.5
 
 
 def test_head_map_of_another_model_is_refused_before_training(tmp_path):

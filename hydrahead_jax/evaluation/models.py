@@ -143,10 +143,12 @@ def load_model(spec: str) -> EvalModel:
             "(WORKDIR/final, with model_config.json, head_map.json and params/), a Hugging Face "
             "folder with config.json and *.safetensors, or a .gguf file."
         )
-    from hydrahead_jax.export import load_hydrahead
+    from hydrahead_jax.export import DamagedExportError, load_hydrahead
 
     try:
         model, tok = load_hydrahead(str(path))
+    except DamagedExportError as err:
+        raise ModelSpecError(f"--model {spec!r}: {err}") from None
     except Exception as err:  # any failure here means the folder is not a usable export
         raise ModelSpecError(
             f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: {err})."

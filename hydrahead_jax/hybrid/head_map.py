@@ -326,6 +326,9 @@ class HeadMap:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".headmap-", suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a head map is an artifact to share, like any file
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(_dumps(self.to_dict()))

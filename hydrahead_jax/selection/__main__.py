@@ -7,13 +7,32 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
-from hydrahead_jax.data.protocol import check_tokenizer
+from hydrahead_jax.config import ConfigError
+from hydrahead_jax.data.protocol import TokenizerModelMismatchError, check_tokenizer
+from hydrahead_jax.hybrid.head_map import HeadMapError
+from hydrahead_jax.models.loaders import CheckpointError
+from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.selection.select import ALLOCATIONS, METHODS, SelectionConfig, run_selection, validate_config
 
 
 def main(argv: Sequence[str] | None = None):
+    """Parse, check everything (source, settings, tokenizer, prompt lengths) before any probe, then select.
+
+    An input error prints one ``error:`` line (what and the fix) and exits with status 2, like train.py."""
+    try:
+        return _select(argv)
+    except (ConfigError, CheckpointError, HeadMapError, SelectionError, TokenizerModelMismatchError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as err:  # --out not writable, a file that vanished
+        print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _select(argv: Sequence[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="smollm2-135m", help="teacher: smollm2-135m, a .gguf or an HF folder")
     p.add_argument("--out", required=True, help="folder for head_map.json and head_scores.png")

@@ -15,10 +15,13 @@ error, a corrupted file) is reported, moved to ``corrupt/`` and the previous ste
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -42,10 +45,87 @@ RESUME_SAFE_SECTION_KEYS = {
     "selection": ("head_map_path", "preset"),  # the map is copied into the workdir; the preset's values are kept
     **{s.config_key: ("checkpoint_every", "keep_checkpoints") for s in STAGES},
 }
+# What may change to continue a run with other settings (the run goes on from its checkpoints, no --force_new):
+# a stage's learning rate (the fix a non-finite stop advises) and its budget. The schedule follows the new values
+# from the resumed step on. A finished stage given more steps continues to the new count, and the finished stages
+# after it are moved aside and rerun (their input changed); fewer steps than a finished stage ran change nothing.
+CONTINUABLE_STAGE_KEYS = ("lr", "steps", "tokens")
 
 
 class ConfigMismatchError(RuntimeError):
     """The workdir holds a run of another configuration."""
+
+
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used: another process holds its lock, or it is not a writable directory."""
+
+
+class WorkdirLock:
+    """One process owns a workdir at a time: an exclusive ``fcntl.flock`` on ``workdir/.lock``.
+
+    The kernel drops the lock when its process exits, however it exits (SIGKILL, OOM kill, a lost node on a
+    local disk), so a killed run never leaves its workdir stuck; the file's content (pid, host, start time) only
+    names the holder in the second process's error. The pipeline locks an existing workdir before any check (a
+    second run is refused at once) and creates a new one only after every check passed (a refused run leaves no
+    directory behind). On a multi-host run the coordinator process (index 0) holds
+    it for all. Network filesystems must support flock (NFSv4 and Lustre do; where they do not, flock may fail
+    with ENOLCK, reported with the path)."""
+
+    NAME = ".lock"
+
+    def __init__(self, workdir: Path, *, enabled: bool = True):
+        self.workdir = Path(workdir)
+        self.enabled = enabled
+        self._file = None
+
+    def acquire(self) -> None:
+        """Take the lock (a no-op when held already, or when not enabled) or raise WorkdirError naming the holder."""
+        if self._file is not None or not self.enabled:
+            return
+        path = self.workdir / self.NAME
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+")
+        except (FileExistsError, NotADirectoryError):
+            raise WorkdirError(
+                f"--workdir {self.workdir} is not a directory (a file is in the way); pass a directory path."
+            ) from None
+        except PermissionError as err:
+            raise WorkdirError(
+                f"--workdir {self.workdir} is not writable ({err.strerror}: {err.filename}); pass a directory you "
+                "can write to."
+            ) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown process"
+            handle.close()
+            raise WorkdirError(
+                f"workdir {self.workdir} is in use by another run ({holder}); wait for it to finish or stop it, or "
+                "use another --workdir."
+            ) from None
+        except OSError as err:
+            handle.close()
+            raise WorkdirError(f"cannot lock {path} ({err}); use a --workdir on a filesystem with flock.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def config_fingerprint(run: RunConfig, teacher_model: ModelConfig) -> tuple[str, dict[str, Any]]:
@@ -53,6 +133,8 @@ def config_fingerprint(run: RunConfig, teacher_model: ModelConfig) -> tuple[str,
     core = {k: v for k, v in run.to_dict().items() if k not in RESUME_SAFE_KEYS}
     for section, keys in RESUME_SAFE_SECTION_KEYS.items():
         core[section] = {k: v for k, v in core[section].items() if k not in keys}
+    for stage in STAGES:
+        core[stage.config_key] = {k: v for k, v in core[stage.config_key].items() if k not in CONTINUABLE_STAGE_KEYS}
     core["teacher"]["model"] = teacher_model.to_dict()
     text = json.dumps(core, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest(), core
@@ -75,7 +157,10 @@ def check_workdir_config(workdir: Path, run: RunConfig, teacher_model: ModelConf
     path = workdir / "run_config.json"
     digest, core = config_fingerprint(run, teacher_model)
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_run_config(path)
+        changed = _continued_settings(old.get("config", {}), run.to_dict())
+        if changed and old["config_hash"] == digest:
+            print(f"continuing the run in {workdir} with changed settings: {changed}", flush=True)
         if old["config_hash"] != digest:
             if not force_new:
                 a, b = _flat(old["config_core"]), _flat(core)
@@ -88,7 +173,10 @@ def check_workdir_config(workdir: Path, run: RunConfig, teacher_model: ModelConf
                 )
             aside = workdir.parent / f"{workdir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             log.warning("--force_new: moving the previous run in %s to %s", workdir, aside)
-            shutil.move(str(workdir), str(aside))
+            aside.mkdir()
+            for entry in workdir.iterdir():
+                if entry.name != WorkdirLock.NAME:  # this process's lock stays: no other run slips in meanwhile
+                    shutil.move(str(entry), str(aside / entry.name))
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -96,6 +184,41 @@ def check_workdir_config(workdir: Path, run: RunConfig, teacher_model: ModelConf
         )
     )
     return digest
+
+
+def read_run_config(path: Path) -> dict[str, Any]:
+    """The workdir's run_config.json, or a one-line ConfigMismatchError naming it when it is damaged."""
+    try:
+        old = json.loads(path.read_text())
+        missing = {"config_hash", "config_core"} - set(old)
+        if missing:
+            raise KeyError(f"no {sorted(missing)}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigMismatchError(
+            f"{path} is damaged ({type(err).__name__}: {err}), so this workdir's run cannot be identified. Fix: "
+            "pass --force_new to move the old run aside and start over, or use another --workdir."
+        ) from None
+    return old
+
+
+def _continued_settings(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """'stage2.lr: 1e6 -> 0.001; ...' for the CONTINUABLE_STAGE_KEYS that differ ('' when none)."""
+    out = []
+    for stage in STAGES:
+        a, b = old.get(stage.config_key, {}), new[stage.config_key]
+        out += [f"{stage.config_key}.{k}: {a.get(k)!r} -> {b[k]!r}" for k in CONTINUABLE_STAGE_KEYS if a.get(k) != b[k]]
+    return "; ".join(out)
+
+
+def finished_step(directory: Path) -> int | None:
+    """The final step of a finished stage (its DONE marker), or None while it is unfinished."""
+    marker = Path(directory) / DONE_MARKER
+    if not marker.exists():
+        return None
+    try:
+        return int(json.loads(marker.read_text())["final_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged marker: the stage resumes from its checkpoints and writes it again
 
 
 class StageCheckpointer:
@@ -106,7 +229,9 @@ class StageCheckpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._options = ocp.CheckpointManagerOptions(
             save_interval_steps=max(1, int(save_every)),
-            max_to_keep=max(1, int(keep)),
+            # keep confirmed steps plus the newest one, whose own loss is read one step after it is saved
+            # (trainer.py): retracting that one must never leave the stage without a good checkpoint.
+            max_to_keep=max(1, int(keep)) + 1,
             create=True,
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
@@ -144,6 +269,17 @@ class StageCheckpointer:
             meta=ocp.args.JsonSave(dict(meta, step=int(step))),
         )
         return self.manager.save(int(step), args=args, force=force)
+
+    def retract_from(self, step: int) -> int | None:
+        """Delete every checkpoint of ``step`` or later (states that led to a non-finite loss); returns the
+        newest step left, or None."""
+        self.manager.wait_until_finished()
+        for s in self.steps():
+            if s >= step:
+                log.info("deleting checkpoint step %d in %s: the step after it was non-finite", s, self.directory)
+                self.manager.delete(s)
+        left = self.steps()
+        return left[-1] if left else None
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` would write (the interval policy), without saving."""

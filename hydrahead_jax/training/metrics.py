@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,27 @@ from tqdm import tqdm
 
 class NonFiniteLossError(RuntimeError):
     """A NaN/inf loss or gradient norm; the stage stops and its last good checkpoint is kept."""
+
+
+def _drop_rows_after(path: Path, stage: str, step: int) -> None:
+    """Remove the rows of ``stage`` past ``step`` (logged by a run killed before its next checkpoint; the resumed
+    run logs those steps again), so metrics.jsonl keeps one row per step. Rewritten atomically."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+            stale = row.get("stage") == stage and int(row.get("step", 0)) > step
+        except (ValueError, TypeError, AttributeError):
+            stale = not line.endswith("\n")  # a row cut short by the kill
+        if not stale:
+            kept.append(line)
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
 
 class StageLogger:
@@ -30,7 +52,9 @@ class StageLogger:
         progress: bool = True,
     ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
-        self._jsonl = open(Path(workdir) / "metrics.jsonl", "a", buffering=1)
+        path = Path(workdir) / "metrics.jsonl"
+        _drop_rows_after(path, stage, start_step)
+        self._jsonl = open(path, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: optional dependency at import time
@@ -76,8 +100,16 @@ class StageLogger:
             self._tb.close()
 
 
+GUARDED_METRICS = ("loss", "grad_norm", "params")  # a non-finite one of these stops the stage
+
+
+def all_finite(metrics: dict[str, float]) -> bool:
+    return all(math.isfinite(v) for k, v in metrics.items() if k in GUARDED_METRICS)
+
+
 def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: Path):
-    bad = {k: v for k, v in metrics.items() if k in ("loss", "grad_norm") and not math.isfinite(v)}
+    """Raise NonFiniteLossError naming the values, the step and the checkpoint a rerun resumes from."""
+    bad = {k: v for k, v in metrics.items() if k in GUARDED_METRICS and not math.isfinite(v)}
     if bad:
         keep = (
             f"the last good checkpoint (step {last_good_step}) in {ckpt_dir} is kept"
@@ -86,6 +118,6 @@ def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_ste
         )
         raise NonFiniteLossError(
             f"stage {stage}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}; stopping "
-            f"the stage ({keep}). Fix: lower the learning rate (config.{stage}.lr), add warmup or clipping, and "
-            "rerun to resume from that checkpoint."
+            f"the stage ({keep}). Fix: lower the learning rate (--config.{stage}.lr=<smaller>) and rerun "
+            "the same command on this workdir: it resumes from that checkpoint (lr and steps may change on resume)."
         )

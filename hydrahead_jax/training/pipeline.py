@@ -8,12 +8,13 @@ same workdir skips finished stages and resumes the unfinished one exactly.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import jax
 from flax import nnx
 
-from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.config import ConfigError, ModelConfig
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
@@ -31,7 +32,12 @@ from hydrahead_jax.run_config import (
 from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.selection.select import validate_config
 from hydrahead_jax.training import sharding as shd
-from hydrahead_jax.training.checkpoint import StageCheckpointer, check_workdir_config
+from hydrahead_jax.training.checkpoint import (
+    StageCheckpointer,
+    WorkdirLock,
+    check_workdir_config,
+    finished_step,
+)
 from hydrahead_jax.training.data import make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
 from hydrahead_jax.training.steps import cast_like, f32_param_target
@@ -63,8 +69,29 @@ def load_teacher(teacher_cfg: TeacherConfig):
         return Transformer(cfg, rngs=nnx.Rngs(teacher_cfg.seed)), None, cfg
     from hydrahead_jax.models import load_pretrained
 
-    model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
+    try:
+        model, tokenizer = load_pretrained(teacher_cfg.source, dtype=teacher_cfg.dtype)
+    except (OSError, ValueError, RuntimeError) as err:  # CheckpointError is a ValueError and names the file
+        detail = " ".join(str(err).split())[:400]
+        raise ConfigError(
+            f"config.teacher.source={teacher_cfg.source!r} does not load ({type(err).__name__}: {detail}). Fix: name "
+            "'smollm2-135m', a .gguf file or a complete Hugging Face folder (config.json, *.safetensors, "
+            "tokenizer.json); re-download a checkpoint whose files are cut short."
+        ) from None
     return model, tokenizer, model.cfg
+
+
+def check_batch_sizes(run: RunConfig, mesh) -> None:
+    """Every stage's batch splits evenly over the devices that hold batch rows (mesh axes data x fsdp)."""
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    for stage in STAGES:
+        size = run.stage(stage).batch_size
+        if size % rows:
+            raise ConfigError(
+                f"config.{stage.config_key}.batch_size={size} is not divisible by the {rows} devices of the data "
+                f"axis (mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}). Fix: "
+                f"--config.{stage.config_key}.batch_size={max(rows, size - size % rows)}, or a smaller mesh.data."
+            )
 
 
 def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> None:
@@ -93,6 +120,10 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
                 "them, or enwiki>."
             ) from None
     if sel.method == "given":
+        if Path(sel.head_map_path).is_dir():
+            raise ConfigError(
+                f"config.selection.head_map_path={sel.head_map_path!r} is a directory; name its head_map.json file."
+            )
         HeadMap.load(sel.head_map_path, cfg)
     elif sel.method not in ("all_fa", "all_la"):
         validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
@@ -138,18 +169,31 @@ def run_pipeline(
 ) -> Path | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
 
-    Every check runs before any work: the RunConfig validated itself at the edge; here the mesh against the
-    devices, then (once the teacher is loaded) the tokenizer, selection settings and head map against it, and
-    the workdir's config fingerprint."""
+    The workdir is locked for the whole call (``WorkdirLock``: a second run on it is refused at once). Every
+    check runs before any work: the RunConfig validated itself at the edge; here the stage range, the mesh
+    against the devices, then (once the teacher is loaded) the tokenizer, selection settings and head map
+    against it, and the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
+    lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)  # one process locks for a multi-host run
+    try:
+        if workdir.exists():
+            lock.acquire()  # a workdir in use is refused at once, before the teacher loads
+        return _run_locked(run, workdir, stages, force_new, lock)
+    finally:
+        lock.release()
+
+
+def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
+    check_batch_sizes(run, mesh)
     print(
         f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True
     )
     teacher, tokenizer, cfg = load_teacher(run.teacher)
     validate_against_teacher(run, cfg, tokenizer)
+    lock.acquire()  # a new workdir is created (and claimed) only by a run that passed every check
     digest = check_workdir_config(workdir, run, cfg, force_new=force_new)
     resolved = run.to_dict()
 
@@ -184,16 +228,27 @@ def run_pipeline(
         return nnx.as_pure(nnx.state(student))
 
     previous = None
+    extended = False  # a finished stage continues to a raised step count: the finished stages after it are stale
     for index, stage in enumerate(STAGES):
         if stage.name not in stages:
             continue
         if previous is None and index > 0:
             previous = _final_of_previous(workdir, index, abstract_student, mesh)
         scfg = run.stage(stage)
+        stage_dir = workdir / stage.directory
+        final_step = finished_step(stage_dir)
+        if extended and stage_dir.exists():
+            aside = stage_dir.with_name(f"{stage_dir.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+            print(
+                f"[{stage.directory}] an earlier stage trained on: rerunning it (old run moved to {aside})", flush=True
+            )
+            stage_dir.rename(aside)
+        elif final_step is not None and final_step < scfg.total_steps:
+            extended = True
         spec = StageSpec(
             stage=stage,
             config=scfg,
-            directory=workdir / stage.directory,
+            directory=stage_dir,
             trainable=TRAINABLE[scfg.train],
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
@@ -217,7 +272,7 @@ def run_pipeline(
             cfg,
             head_map,
             run.hybrid,
-            teacher_source=run.teacher.source,
+            tokenizer=tokenizer,
             resolved_config=resolved,
         )
         print(f"exported the HydraHead model to {final}", flush=True)
@@ -228,13 +283,13 @@ def run_pipeline(
 def _final_of_previous(workdir: Path, index: int, abstract_student, mesh):
     """Final full state of the stage before STAGES[index] (which must have finished)."""
     stage, prev = STAGES[index], STAGES[index - 1]
+    if finished_step(workdir / prev.directory) is None:  # checked before a CheckpointManager (and its threads) exists
+        raise StageOrderError(
+            f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
+            f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
+        )
     ckpt = StageCheckpointer(workdir / prev.directory, save_every=1)
     try:
-        if not ckpt.done:
-            raise StageOrderError(
-                f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
-                f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
-            )
         target = abstract_with_shardings(  # f32 Params: the stage saved its trained ones in their master dtype
             nnx.as_pure(f32_param_target(abstract_student)), shd.state_shardings(abstract_student, mesh)
         )

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from hydrahead_jax.run_config import LoggingConfig, Stage, StageConfig
 from hydrahead_jax.training import memory
 from hydrahead_jax.training import sharding as shd
-from hydrahead_jax.training.checkpoint import StageCheckpointer
-from hydrahead_jax.training.metrics import StageLogger, check_finite
+from hydrahead_jax.training.checkpoint import StageCheckpointer, finished_step
+from hydrahead_jax.training.metrics import StageLogger, all_finite, check_finite
 from hydrahead_jax.training.steps import (
     abstract_with_shardings,
     cast_like,
@@ -45,6 +49,31 @@ class StageSpec:
     trainable: Any  # nnx filter of the trained parameters
     make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
+
+
+class Preempted(RuntimeError):
+    """SIGTERM stopped a stage after its last finished step was checkpointed; train.py exits with status 143."""
+
+
+class PreemptionWatch:
+    """Turns SIGTERM into a flag the train loop reads between steps (a step in flight finishes first).
+
+    Installed only in the main thread (signal handlers can be set nowhere else); ``close`` restores the previous
+    handler, so SIGTERM outside a train loop keeps its default effect."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def close(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 class TeacherHandle:
@@ -81,7 +110,15 @@ def run_stage(
         async_save=logging_cfg.async_save,
     )
     try:
-        if ckpt.done:
+        final_step = finished_step(spec.directory)
+        if final_step is not None and final_step < scfg.total_steps:
+            print(
+                f"[{spec.directory.name}] finished earlier at step {final_step}; continuing to step "
+                f"{scfg.total_steps} (config.{spec.stage.config_key} now asks for more).",
+                flush=True,
+            )
+            ckpt.clear_done()
+        elif ckpt.done:
             restored = ckpt.restore_model(abs_full)
             if restored is not None:
                 print(f"[{spec.directory.name}] finished earlier; using its final checkpoint.", flush=True)
@@ -158,7 +195,16 @@ def _train(
     abs_opt = layout.abstract_state["opt_state"]
 
     iterator = spec.make_iterator()
+    had_checkpoints = bool(ckpt.steps())
     restored = ckpt.restore_latest(abs_full, abs_opt, iterator)
+    if restored is None and had_checkpoints:
+        # A failed restore may have moved the iterator part-way: start over on a fresh one (a fresh run's data).
+        iterator = spec.make_iterator()
+        print(
+            f"WARNING: [{spec.directory.name}] no checkpoint of this stage restores (moved to "
+            f"{ckpt.directory / 'corrupt'}); starting the stage over from step 0.",
+            flush=True,
+        )
     if restored is not None:
         start, full, opt_state, meta = restored
         print(f"[{spec.directory.name}] resuming from step {start}/{steps}", flush=True)
@@ -203,24 +249,51 @@ def _train(
         tensorboard=logging_cfg.tensorboard,
         progress=logging_cfg.progress,
     )
-    last_good = ckpt.steps()[-1] if ckpt.steps() else None
+    # A checkpoint holds the state S_n after step n's update. It is good only when the loss and gradients computed
+    # FROM it (step n+1's metrics) are finite, so every save is provisional until those are read: a non-finite
+    # step m retracts the checkpoint of S_{m-1} (written, or restored by a resume after a kill in between), and
+    # the stage stops with the checkpoint before it kept. The final state has no next step in this stage; it is
+    # kept when its own step's metrics and its parameters are finite.
+    saved = ckpt.steps()
+    last_good = saved[-1] if saved else None
+    unconfirmed = start if restored is not None else None  # the restored state's own loss is not known yet
 
     def report(step: int, device_metrics) -> dict[str, float]:
         """Read back one step's metrics (waits for that step only), stop on a non-finite value, log them."""
+        nonlocal last_good, unconfirmed
         metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-        check_finite(step, key, metrics, last_good, ckpt.directory)
+        if not all_finite(metrics):
+            last_good = ckpt.retract_from(step - 1)  # S_{step-1} produced the non-finite values
+            check_finite(step, key, metrics, last_good, ckpt.directory)
+        if unconfirmed is not None and step == unconfirmed + 1:
+            last_good, unconfirmed = unconfirmed, None
         logger.log(step, metrics)
         return metrics
 
+    # One device-side reduction (a bool read back) over the trained parameters, before each save.
+    params_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
+
     # The host runs one step ahead of its read-backs: step n is dispatched, then step n-1's metrics are read
-    # (computed by then, so reading them does not leave the device idle). A checkpoint is the exception: its
-    # state is saved only after the metrics of the step that produced it were read and found finite, so a
-    # non-finite loss stops the stage before that state is written.
+    # (computed by then, so reading them does not leave the device idle).
     pending = None  # (step, its metrics still on the device)
     metrics: dict[str, float] = {}
     compiled = None
+    preemption = PreemptionWatch()
     try:
         for step in range(start, steps):
+            if preemption.requested:
+                # SIGTERM (a preempted TPU VM, SLURM's notice): checkpoint the last finished step and stop.
+                if pending is not None:
+                    metrics, pending = report(*pending), None
+                kept = ckpt.steps()
+                if step > 0 and (not kept or kept[-1] != step) and bool(params_finite(state["params"])):
+                    ckpt.save(step, _full_state(gd, state), state["opt_state"], iterator, spec.meta, force=True)
+                ckpt.wait()
+                kept = ckpt.steps()
+                raise Preempted(
+                    f"stage {key} stopped by SIGTERM after step {step}/{steps}; the checkpoint of step "
+                    f"{kept[-1] if kept else '(none)'} is in {ckpt.directory}. Rerun the same command to resume."
+                )
             batch = shd.put_batch(next(iterator), batch_sh)
             with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
                 if compiled is None:  # compile once, report its memory and refuse a step that cannot fit
@@ -233,10 +306,15 @@ def _train(
             pending = (done, device_metrics)
             if done == steps or ckpt.should_save(done):
                 metrics, pending = report(*pending), None
+                if not bool(params_finite(state["params"])):
+                    check_finite(done, key, {"params": math.nan}, last_good, ckpt.directory)
                 full = _full_state(gd, state)
                 if ckpt.save(done, full, state["opt_state"], iterator, spec.meta, force=done == steps):
-                    last_good = done
+                    unconfirmed = done
+                    if done == steps:
+                        last_good = done
     finally:
+        preemption.close()
         logger.close()
         ckpt.wait()  # the last good checkpoint is complete on disk before we leave, error or not
     ckpt.mark_done(steps)
