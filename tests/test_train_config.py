@@ -284,6 +284,21 @@ def test_fingerprint_ignores_mounts_and_loader_threads_but_not_the_math(tmp_path
             checkpoint.check_workdir_config(tmp_path, changed, model, force_new=False)
 
 
+def test_fingerprint_identifies_the_corpus_by_content_not_by_its_mount(tmp_path):
+    """The pipeline passes the token store's content address: the same corpus read from another path is the same
+    run; other content under the same path is another run."""
+    c = _recipe("smollm2_hydrahead", None)
+    teacher = _smol_cfg()
+    c.data.source = "/mnt/a/corpus.jsonl"
+    first = RunConfig.from_recipe(c)
+    checkpoint.check_workdir_config(tmp_path, first, teacher, force_new=False, data_digest="0123abcd-ffff")
+    c.data.source = "/gcs/b/corpus.jsonl"
+    moved = RunConfig.from_recipe(c)
+    checkpoint.check_workdir_config(tmp_path, moved, teacher, force_new=False, data_digest="0123abcd-ffff")
+    with pytest.raises(checkpoint.ConfigMismatchError, match="content:"):
+        checkpoint.check_workdir_config(tmp_path, moved, teacher, force_new=False, data_digest="9999eeee-ffff")
+
+
 # ------------------------------------------------------------------------------------------------ cluster defaults
 
 

@@ -128,14 +128,20 @@ class WorkdirLock:
         self.release()
 
 
-def config_fingerprint(run: RunConfig, teacher_model: ModelConfig) -> tuple[str, dict[str, Any]]:
-    """(sha256 of the run-defining part of the config, that part), with the teacher's resolved ModelConfig."""
+def config_fingerprint(
+    run: RunConfig, teacher_model: ModelConfig, data_digest: str | None = None
+) -> tuple[str, dict[str, Any]]:
+    """(sha256 of the run-defining part of the config, that part), with the teacher's resolved ModelConfig and,
+    when given, the corpus by its content (``data_digest``: the token store's content address) instead of the
+    path it is read from, so a corpus mounted elsewhere after a restart is the same run."""
     core = {k: v for k, v in run.to_dict().items() if k not in RESUME_SAFE_KEYS}
     for section, keys in RESUME_SAFE_SECTION_KEYS.items():
         core[section] = {k: v for k, v in core[section].items() if k not in keys}
     for stage in STAGES:
         core[stage.config_key] = {k: v for k, v in core[stage.config_key].items() if k not in CONTINUABLE_STAGE_KEYS}
     core["teacher"]["model"] = teacher_model.to_dict()
+    if data_digest is not None:
+        core["data"]["source"] = f"content:{data_digest}"
     text = json.dumps(core, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest(), core
 
@@ -150,12 +156,14 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_workdir_config(workdir: Path, run: RunConfig, teacher_model: ModelConfig, *, force_new: bool) -> str:
+def check_workdir_config(
+    workdir: Path, run: RunConfig, teacher_model: ModelConfig, *, force_new: bool, data_digest: str | None = None
+) -> str:
     """Refuse a workdir that holds a run of another config (unless force_new: the old run is moved aside).
 
-    Returns the config's fingerprint (stored in every checkpoint's meta)."""
+    Returns the config's fingerprint (stored in every checkpoint's meta); see ``config_fingerprint``."""
     path = workdir / "run_config.json"
-    digest, core = config_fingerprint(run, teacher_model)
+    digest, core = config_fingerprint(run, teacher_model, data_digest)
     if path.exists():
         old = read_run_config(path)
         changed = _continued_settings(old.get("config", {}), run.to_dict())

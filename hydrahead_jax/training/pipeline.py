@@ -194,13 +194,17 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     teacher, tokenizer, cfg = load_teacher(run.teacher)
     validate_against_teacher(run, cfg, tokenizer)
     lock.acquire()  # a new workdir is created (and claimed) only by a run that passed every check
-    digest = check_workdir_config(workdir, run, cfg, force_new=force_new)
+    # The corpus is tokenised (once; content-addressed in the cache) before the workdir check, so that a run is
+    # identified by its data's content, not by the path the corpus is mounted at.
+    store = None if run.data.source == "copy" else prepare_store(run.data, tokenizer)
+    digest = check_workdir_config(
+        workdir, run, cfg, force_new=force_new, data_digest=None if store is None else Path(store).name
+    )
     resolved = run.to_dict()
 
     head_map = select_heads(run.selection, teacher, tokenizer, cfg, workdir)
     if stages == [SELECT]:
         return None
-    store = None if run.data.source == "copy" else prepare_store(run.data, tokenizer)
     teacher_handle = TeacherHandle(teacher, mesh)
     nnx.update(teacher, teacher_handle.state)  # the module and the handle share the placed arrays: one copy
 
