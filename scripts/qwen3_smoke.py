@@ -23,8 +23,12 @@ finite losses, each stage printed its compiled step memory per device, and ``fin
 ``hydrahead_jax.load_hydrahead`` with bf16 parameters. The run itself is in ``WORKDIR/run`` (its output in
 ``WORKDIR/train.log``).
 
-Cost on a 2-core CPU (shared): about 11 minutes, 10 GB of RAM at peak (f32 master weights and AdamW moments of the
-0.4 B parameters, 0.31 B of them the 151,936 × 2048 embedding); on one accelerator it is compile-bound.
+Cost, measured on a shared 2-core CPU machine: writing the inputs ~10 s; selection ~80 s; stage 1 ~15 s; stage 2
+~2 min; stage 3 ~2 min (plus compiles): about 6-7 minutes in all. Memory is set by the shapes, not the smoke
+budgets: stages 2-3 train all 0.41 B parameters (0.31 B of them the 151,936 × 2048 tied embedding) with f32 master
+weights and AdamW moments, so their compiled steps report a 9.2 / 9.8 GiB peak and train.py reaches 13-14 GB RSS;
+give it 16 GB free (on a machine where other jobs take the rest, the kernel's OOM killer stops it with -9). A
+killed or interrupted smoke run resumes: rerun the same command (the inputs are reused and train.py continues).
 """
 
 from __future__ import annotations
