@@ -23,13 +23,13 @@ finite losses, each stage printed its compiled step memory per device, and ``fin
 ``hydrahead_jax.load_hydrahead`` with bf16 parameters. The run itself is in ``WORKDIR/run`` (its output in
 ``WORKDIR/train.log``).
 
-Status and cost (2026-11-30, shared 2-core, 23 GB machine): writing the inputs ~8 s (model.safetensors 824 MB);
-selection ~80 s; stage 1 and stage 2 finished with finite losses (stage 2 ~2 min; compiled peaks 1.66 and 9.19
-GiB per device); stage 3 compiled (peak 9.77 GiB) and was then killed by the kernel's OOM killer in its first step
-while other jobs held ~13 GB, so a full pass to ``final/`` has not been seen yet. Stages 2-3 train all 0.41 B
-parameters (0.31 B of them the 151,936 × 2048 tied embedding) with f32 master weights and AdamW moments; train.py
-reached 14 GB RSS: give it 16 GB free. A killed or interrupted smoke run resumes: rerun the same command (the inputs
-are reused and train.py continues).
+Status and cost (2026-11-30, shared 2-core, 23 GB machine): PASS in 314 s — inputs ~12 s (model.safetensors
+824 MB), selection ~80 s, then stage 1 (losses 0.568, 0.555; compiled peak 1.66 GiB per device), stage 2 (0.669,
+0.672; 9.19 GiB) and stage 3 (12.50, 12.48; 9.77 GiB), and ``final/`` loads with bf16 parameters. Stages 2-3 train
+all 0.41 B parameters (0.31 B of them the 151,936 × 2048 tied embedding) with f32 master weights and AdamW moments;
+train.py reached 13.7 GB RSS: give it 16 GB free (an earlier attempt was OOM-killed in stage 3 while other jobs held
+~13 GB). A killed or interrupted smoke run resumes: rerun the same command (the inputs are reused and train.py
+continues).
 """
 
 from __future__ import annotations
