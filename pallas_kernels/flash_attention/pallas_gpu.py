@@ -217,18 +217,24 @@ def _dkv_kernel(*refs, scale, causal, q_offset, bq, bk, nq, heads, segmented):
 
     zeros = jnp.zeros(k.shape, _F32)
     carry = (zeros, zeros)
-    if causal:
-        lo, mid = _q_tile_bounds(j, bq=bq, bk=bk, nq=nq, q_offset=q_offset)
-        first, last = _clip(lo, mid, span_ref)
-        count = last - first if span_ref is None else jnp.maximum(last - first, 0)
-        diagonal = functools.partial(body, first=first, count=count, masked=True)
-        carry = lax.fori_loop(0, heads * count, diagonal, carry)
+    if span_ref is not None:
+        # With segment ids every tile is masked anyway: one loop over the span, applying the causal mask too. (Split
+        # at the diagonal as below, the id mask alone in the long loop made ptxas spill at d=128.)
+        lo = _q_tile_bounds(j, bq=bq, bk=bk, nq=nq, q_offset=q_offset)[0] if causal else 0
+        first, last = _clip(lo, nq, span_ref)
+        count = jnp.maximum(last - first, 0)
+        dk, dv = lax.fori_loop(
+            0, heads * count, functools.partial(body, first=first, count=count, masked=causal), carry
+        )
     else:
-        mid = 0
-    first, last = _clip(mid, nq, span_ref)
-    count = last - first if span_ref is None else jnp.maximum(last - first, 0)
-    below = functools.partial(body, first=first, count=count, masked=False)
-    dk, dv = lax.fori_loop(0, heads * count, below, carry)
+        if causal:
+            lo, mid = _q_tile_bounds(j, bq=bq, bk=bk, nq=nq, q_offset=q_offset)
+            diagonal = functools.partial(body, first=lo, count=mid - lo, masked=True)
+            carry = lax.fori_loop(0, heads * (mid - lo), diagonal, carry)
+        else:
+            mid = 0
+        below = functools.partial(body, first=mid, count=nq - mid, masked=False)
+        dk, dv = lax.fori_loop(0, heads * (nq - mid), below, carry)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
