@@ -35,6 +35,25 @@ Every backend runs the same parts:
    The sequential steps never form a C×C product, so the GPU kernels can split V into tiles there without
    recomputing q kᵀ per tile; the chunk-parallel kernels form q kᵀ once per chunk and loop over V tiles inside.
 
+Packed documents (segment ids). At a document start t > 0 the state restarts from zero. Per chunk, with doc_i the
+chunk-local document index (`chunk_documents`: the number of starts at chunk positions ≤ i, so doc_i = 0 for the
+tokens that continue the document the chunk began in), the prologue and every chunk function take
+
+    E_ij = [doc_i = doc_j]          (i, j of one document)          r_i = [doc_i = 0]           (reads S_n)
+    w_j = [doc_j = doc_{C−1}]       (writes into S_{n+1})           c = [doc_{C−1} = 0]          (S_n survives)
+    G_i = Σ_{m ≤ i, E_im} g_m       (segment-local cumulative decay; G_C = G_{C−1})
+
+and every formula above holds with the decays masked:
+
+    D_ij = E_ij e^{G_i − G_j} (i ≥ j),   A_ij = E_ij β_i (k_i·k_j) e^{G_i − G_j} (i > j),   W = T (β r e^G k),
+    O = (q ⊙ r e^G) S_n + ((q kᵀ) ⊙ D) ν,   S_{n+1} = c e^{G_C} S_n + (k ⊙ w e^{G_C − G})ᵀ ν
+
+(T is block diagonal by document, so W's rows vanish where r = 0). The backward takes the same masked q̂ = q r e^G,
+k̂ = k w e^{G_C − G}, D and c e^{G_C}: the dG terms of masked entries vanish with them, and the prologue's VJP
+carries dG to g through the segment-local sums. Every masked exponent is set to −inf before exp (the kept ones are
+≤ 0): no reset is emulated by a huge decay, so nothing overflows and no large cumulative sums cancel. Without segment ids the masks
+are all ones and the kernels take no document operand. Tokens padded after T repeat the last id: they start nothing.
+
 3. `make_rule`: one custom_vjp around the whole rule (prologue and recurrence) that saves only its inputs (in their
    own dtype) and the chunk-start states S_n; the backward recomputes the prologue (cheap, chunk-parallel) and
    differentiates it with `jax.vjp`. `chunked_gated_delta_rule` calls it.
@@ -159,7 +178,7 @@ def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, doc=None):
     Returns a dict of [B,H,N,C,·] arrays: q (scaled), k, w, u and gcum [B,H,N,C]. Padded steps have
     g=0, β=0, k=0, so they leave the state unchanged (α=1, nothing written). With ``doc`` [B,N,C]
     (`chunk_documents`), gcum is the segment-local cumulative decay, A only couples tokens of one document and
-    W's right-hand side only keeps the rows that read the carried state (section "Packed documents" above).
+    W's right-hand side only keeps the rows that read the carried state ("Packed documents" in the module docstring).
     """
     B, T, H, K = q.shape
     C = chunk_size
