@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_hybrid_model import CFG
 
-from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads, causal_depthwise_conv
 
@@ -106,26 +106,15 @@ def test_conv_segment_ids_of_wrong_shape_are_refused():
         causal_depthwise_conv(x, w, None, _segment_ids().astype(jnp.float32))
 
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    name="tiny",
-)
-
-
 def test_heads_conv_stage_follows_segments():
     """GatedDeltaNetHeads.conv splits the q/k/v channels and masks each per document like the bare conv."""
     heads = GatedDeltaNetHeads(CFG, HybridConfig(), (0, 1), rngs=nnx.Rngs(0))
     heads.conv_weight[...] = jax.random.normal(jax.random.key(3), heads.conv_weight.shape)
     T = sum(DOC_LENGTHS[0])
     kq, kk, kv = jax.random.split(jax.random.key(4), 3)
-    q = jax.random.normal(kq, (2, T, 4, 8))
-    k, v = jax.random.normal(kk, (2, T, 2, 8)), jax.random.normal(kv, (2, T, 2, 8))
+    D = CFG.head_dim
+    q = jax.random.normal(kq, (2, T, CFG.num_heads, D))
+    k, v = jax.random.normal(kk, (2, T, 2, D)), jax.random.normal(kv, (2, T, 2, D))
     seg = _segment_ids()
     qc, kc, vc, state = heads.conv(q, k, v, None, seg)
     chans = jnp.concatenate([a.reshape(2, T, -1) for a in (q, k, v)], axis=-1)
