@@ -91,7 +91,10 @@ def _causal_conv_fwd(x, weight, state, tap_mask):
 
 
 def _causal_conv_bwd(res, dy):
-    x, weight, state, tap_mask = res
+    # The barrier (with dy) keeps XLA from merging the fp32 window rebuilt here with the forward's, and from
+    # scheduling it early: either would keep W shifted fp32 copies alive from the forward to here, the very
+    # residuals this VJP exists to avoid.
+    (x, weight, state, tap_mask), dy = jax.lax.optimization_barrier((res, dy))
     width, t = weight.shape[0], x.shape[1]
     w32, dy32 = weight.astype(jnp.float32), dy.astype(jnp.float32)
     p = _conv_inputs(x, state, width)
@@ -140,6 +143,49 @@ def causal_depthwise_conv(
     if segment_ids is not None:
         new_state = new_state * (seg[:, t:] == segment_ids[:, -1:])[..., None].astype(new_state.dtype)
     return y, new_state
+
+
+def backward_after_cotangent(fn):
+    """``fn`` with the same values and gradients, whose backward XLA can neither merge with the forward nor start
+    before the cotangent arrives.
+
+    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a rematerialised
+    gate) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
+    forward: both turn "recompute" back into "keep alive", through the whole layer. The optimization barrier
+    ties the saved values (the ``jax.vjp`` residuals of ``fn``) to the cotangent.
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def wrapped_fwd(*args):
+        return jax.vjp(fn, *args)
+
+    def wrapped_bwd(vjp, cotangent):
+        vjp, cotangent = jax.lax.optimization_barrier((vjp, cotangent))
+        return vjp(cotangent)
+
+    wrapped.defvjp(wrapped_fwd, wrapped_bwd)
+    return wrapped
+
+
+@functools.cache
+def gated_rms_norm(eps: float):
+    """y = o / sqrt(mean_D o² + eps) · w · silu(z) per head, fp32 inside: ``gated_rms_norm(eps)(o, z, w)`` with
+    o, z [B,T,H,D], w [H,D]; y in o's dtype.
+
+    Rematerialised: the backward keeps only o, z (in their own dtype) and w, and recomputes the normalisation,
+    sigmoid and products (elementwise, cheap) instead of keeping four fp32 activations of the forward.
+    """
+
+    @backward_after_cotangent
+    @jax.checkpoint
+    def norm(o: jax.Array, z: jax.Array, weight: jax.Array) -> jax.Array:
+        w32 = weight.astype(jnp.float32)
+        return (rms_normalize(o, eps) * w32 * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+    return norm
 
 
 class GatedDeltaNetHeads(nnx.Module):
@@ -206,9 +252,11 @@ class GatedDeltaNetHeads(nnx.Module):
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""
         b, t = o.shape[:2]
-        z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim).astype(jnp.float32)
-        o32 = rms_normalize(o, self.cfg.rms_norm_eps)
-        return (o32 * self.o_norm_weight[...].astype(jnp.float32) * jax.nn.silu(z)).astype(o.dtype)
+        # z is formed after o exists: otherwise XLA computes it (and keeps it) before the delta rule, at the
+        # layer's peak.
+        o, x = jax.lax.optimization_barrier((o, x))
+        z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim)
+        return gated_rms_norm(self.cfg.rms_norm_eps)(o, z, self.o_norm_weight[...])
 
     # ------------------------------------------------------------------------------------------ forward
     def __call__(
@@ -233,15 +281,18 @@ class GatedDeltaNetHeads(nnx.Module):
         new_cache = None if cache is None else dict(cache)
         if hc.use_conv:
             conv_state = None if cache is None else cache["conv_state"]
-            q, k, v, conv_state = self.conv(q, k, v, conv_state, segment_ids)
+            with jax.named_scope("gdn_conv"):
+                q, k, v, conv_state = self.conv(q, k, v, conv_state, segment_ids)
             if cache is not None:
                 new_cache["conv_state"] = conv_state.astype(cache["conv_state"].dtype)
         if hc.la_rope:
             rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-        k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
-        v = jnp.repeat(v, cfg.group_size, axis=2)
-        g, beta = self.decay_and_beta(x)
+        with jax.named_scope("gdn_repeat"):
+            k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
+            v = jnp.repeat(v, cfg.group_size, axis=2)
+        with jax.named_scope("gdn_decay"):
+            g, beta = self.decay_and_beta(x)
         # Both rules run per device inside shard_map over the mesh axes of batch and heads (``kernel_call``).
         if cache is not None and q.shape[1] == 1:
             step = functools.partial(gated_delta_rule_step, use_qk_l2norm=True)
@@ -265,24 +316,26 @@ class GatedDeltaNetHeads(nnx.Module):
                 # `segment_ids=segment_ids` (the only change needed); until then the state runs across documents.
                 return chunked(q, k, v, g, beta, initial_state=state)
 
-            o, state = kernel_call(
-                rule,
-                *(q, k, v, g, beta, initial_state, segment_ids),
-                in_axes=(
-                    BTHD,
-                    BTHD,
-                    BTHD,
-                    BTH,
-                    BTH,
-                    None if cache is None else BHKV,
-                    None if segment_ids is None else BT,
-                ),
-                out_axes=(BTHD, None if cache is None else BHKV),
-            )
+            with jax.named_scope("gdn_rule"):
+                o, state = kernel_call(
+                    backward_after_cotangent(rule),
+                    *(q, k, v, g, beta, initial_state, segment_ids),
+                    in_axes=(
+                        BTHD,
+                        BTHD,
+                        BTHD,
+                        BTH,
+                        BTH,
+                        None if cache is None else BHKV,
+                        None if segment_ids is None else BT,
+                    ),
+                    out_axes=(BTHD, None if cache is None else BHKV),
+                )
         if cache is not None:
             new_cache["gdn_state"] = state
         if hc.use_output_gate:
-            o = self.output_gate(o, x)
+            with jax.named_scope("gdn_gate"):
+                o = self.output_gate(o, x)
         return o, new_cache
 
     def init_cache(self, batch: int, dtype) -> dict[str, Any]:
