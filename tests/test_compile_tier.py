@@ -144,6 +144,40 @@ def test_flash_attention_gpu_kernels_fit_an_h200(d, groups, causal, dtype, batch
             assert s.spill_bytes == 0, (config, s)
 
 
+# Packed documents: every (head dim, group) corner, causal and not, in bf16, and f32 at both head dims, plus d=256.
+FA_SEGMENT_CONFIGS = [
+    (d, g, causal, "bfloat16", 1 if causal else 8) for d in (64, 128) for g in (1, 4, 8) for causal in (True, False)
+]
+FA_SEGMENT_CONFIGS += [(64, 1, True, "float32", 1), (128, 8, True, "float32", 1), (256, 4, True, "bfloat16", 1)]
+
+
+@pytest.mark.parametrize("d,groups,causal,dtype,batch", FA_SEGMENT_CONFIGS, ids=lambda v: str(v))
+def test_flash_attention_gpu_kernels_with_segment_ids_fit_an_h200(d, groups, causal, dtype, batch, compile_table):
+    """With segment ids (extra id and span operands, the id mask in every computed tile) the three kernels still
+    compile for sm_90a within the H200's shared memory, and bf16 kernels still do not spill."""
+    dtype = jnp.dtype(dtype)
+    q = jax.ShapeDtypeStruct((batch, _T, _HKV * groups, d), dtype)
+    kv = jax.ShapeDtypeStruct((batch, _T, _HKV, d), dtype)
+    ids = jax.ShapeDtypeStruct((batch, _T), jnp.int32)
+    blocks = BlockSizes.default("gpu", head_dim=d, dtype=dtype)
+
+    def loss(q, k, v, ids):
+        o = flash_attention_gpu(
+            q, k, v, causal=causal, scale=d**-0.5, q_offset=0, block_sizes=blocks, segment_ids=ids, kv_segment_ids=ids
+        )
+        return jnp.sum(o.astype(jnp.float32))
+
+    with jax.default_matmul_precision("default"):  # as in the test above
+        stats = cc.compile_triton_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, ids)
+    config = f"d={d} G={groups} {'causal' if causal else 'full'} {dtype.name} B={batch} T={_T} segment ids"
+    compile_table.extend((config, s) for s in stats)
+    assert [s.name for s in stats] == ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"]
+    for s in stats:
+        assert s.shared_bytes <= cc.H200_SHARED_MEMORY_BYTES, (config, s)
+        if dtype == jnp.bfloat16:
+            assert s.spill_bytes == 0, (config, s)
+
+
 # ---------------------------------------------------------------- flash attention on a TPU
 
 

@@ -7,6 +7,7 @@ for GQA, causal offsets and lengths that are not tile multiples. It does NOT pro
 lower through Triton / Mosaic: the lowering tests at the end run only on a GPU / TPU.
 """
 
+import functools
 import logging
 
 import hypothesis
@@ -272,3 +273,190 @@ def test_triton_lowering_on_gpu():
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
 def test_mosaic_lowering_on_tpu():
     _lowering_check("pallas_tpu")
+
+
+# ---------------------------------------------------------------- packed documents (segment ids)
+
+# Documents per batch row of T = 80, ids 1, 2, ... in order and 0 for the padding tail. Row 0 holds one document
+# shorter than every tile (11), one spanning several (37), a single token and a padding tail of 12; row 1 packs
+# different lengths, so the two rows need different tiles.
+PACKED_T = 80
+PACKED_DOCS = [[11, 37, 1, 19], [30, 1, 49]]
+PACKED_BLOCKS = {"reference": None, "xla": SMALL, "pallas_gpu": SMALL, "pallas_tpu": SMALL_TPU}
+PACKED_IMPLS = ["reference", "xla", "pallas_gpu"]
+
+
+def _packed_ids(docs, t):
+    rows = []
+    for lengths in docs:
+        ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
+        rows.append(np.pad(ids, (0, t - len(ids))))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _per_document_oracle(q, k, v, do, q_ids, kv_ids, *, causal, q_offset=0):
+    """(out, dq, dk, dv) from running every document of every row on its own through the reference WITHOUT segment
+    ids. Each document's queries and keys are contiguous runs; query i of a document sits at key position
+    i + q_offset of the row, so its offset inside the document is (first query + q_offset) - (first key). A document
+    with queries but no keys outputs 0 and gets zero gradients."""
+    q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+    outs = [np.zeros(x.shape, np.float32) for x in (q, q, k, v)]
+    for b in range(q.shape[0]):
+        for seg in np.unique(q_ids[b]):
+            qi, ki = np.flatnonzero(q_ids[b] == seg), np.flatnonzero(kv_ids[b] == seg)
+            assert np.all(np.diff(qi) == 1) and np.all(np.diff(ki) == 1), "the oracle needs contiguous documents"
+            if len(ki) == 0:
+                continue
+            qs, ks = slice(qi[0], qi[-1] + 1), slice(ki[0], ki[-1] + 1)
+            doc_offset = int(qi[0] + q_offset - ki[0]) if causal else None
+            fn = functools.partial(attention_reference, causal=causal, q_offset=doc_offset)
+            res = _fwd_and_grads(fn, q[b : b + 1, qs], k[b : b + 1, ks], v[b : b + 1, ks], do[b : b + 1, qs])
+            for acc, r, sl in zip(outs, res, (qs, qs, ks, ks)):
+                acc[b, sl] = np.asarray(r[0])
+    return outs
+
+
+def _segmented(impl, *, causal, q_offset=None, ids, kv_ids=None):
+    blocks = PACKED_BLOCKS[impl]
+    return lambda q, k, v: flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_offset=q_offset,
+        segment_ids=ids,
+        kv_segment_ids=kv_ids,
+        implementation=impl,
+        block_sizes=blocks,
+    )
+
+
+def _assert_close_all(got, want, tol=2e-5):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("impl", PACKED_IMPLS)
+def test_packed_documents_match_separate_runs(impl, causal):
+    """Every backend, GQA (4 query heads on 2 KV heads), f32: each packed document's outputs and dq/dk/dv equal those
+    of running it alone; the padding tail (segment 0) attends only to itself."""
+    q, k, v, do = _inputs(11, 2, PACKED_T, PACKED_T, 4, 2, 8)
+    ids = _packed_ids(PACKED_DOCS, PACKED_T)
+    got = _fwd_and_grads(_segmented(impl, causal=causal, ids=ids), q, k, v, do)
+    _assert_close_all(got, _per_document_oracle(q, k, v, do, ids, ids, causal=causal))
+
+
+@pytest.mark.parametrize("impl", PACKED_IMPLS)
+def test_chunk_continuing_a_cached_packed_prefix(impl):
+    """Queries 56..79 of a packed row (T=24, q_offset=56) against all 80 cached keys with kv_segment_ids: the chunk
+    starts inside a document, so per document it is a causal continuation with its own offset."""
+    t0, s = 56, PACKED_T
+    q, k, v, do = _inputs(12, 2, s - t0, s, 4, 2, 8)
+    kv_ids = _packed_ids(PACKED_DOCS, s)
+    ids = kv_ids[:, t0:]
+    got = _fwd_and_grads(_segmented(impl, causal=True, q_offset=t0, ids=ids, kv_ids=kv_ids), q, k, v, do)
+    _assert_close_all(got, _per_document_oracle(q, k, v, do, ids, kv_ids, causal=True, q_offset=t0))
+
+
+@pytest.mark.parametrize("impl", PACKED_IMPLS)
+def test_query_segment_without_keys_outputs_zero(impl):
+    """Non-causal, S != T: queries of segment 7, which no key carries, output exactly 0 and get zero gradients (no
+    NaN); the other queries see their own documents' keys only."""
+    q, k, v, do = _inputs(13, 1, 40, 56, 4, 2, 8)
+    ids = _packed_ids([[10, 14, 16]], 40).at[:, 10:24].set(7)
+    kv_ids = _packed_ids([[20, 30]], 56).at[:, 50:].set(3)  # segments 1, 2, 0 (padding) and 3
+    got = _fwd_and_grads(_segmented(impl, causal=False, ids=ids, kv_ids=kv_ids), q, k, v, do)
+    want = _per_document_oracle(q, k, v, do, ids, kv_ids, causal=False)
+    _assert_close_all(got, want)
+    assert not np.any(np.asarray(got[0])[:, 10:24]) and not np.any(np.asarray(got[1])[:, 10:24])
+
+
+def _interleaved_ids(seed, b, n, n_segments):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, n_segments, (b, n)), jnp.int32)
+
+
+def test_reference_segment_mask_matches_jax_nn():
+    """The masked reference against jax.nn.dot_product_attention given the same [B, 1, T, S] boolean mask, for
+    interleaved (unsorted) ids with a causal offset: an independent implementation of the same definition. Queries
+    of a segment no key carries output 0."""
+    q, k, v, _ = _inputs(14, 2, 30, 45, 4, 2, 8)
+    ids, kv_ids = _interleaved_ids(1, 2, 30, 4), _interleaved_ids(2, 2, 45, 3)  # no key of segment 3
+    got = attention_reference(q, k, v, causal=True, q_offset=15, segment_ids=ids, kv_segment_ids=kv_ids)
+    mask = (ids[:, :, None] == kv_ids[:, None, :]) & (jnp.arange(45)[None, :] <= jnp.arange(30)[:, None] + 15)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+    seen = np.asarray(mask.any(-1))  # rows without a visible key: jax.nn averages v there, ours outputs 0
+    assert seen.sum() > 30 and not seen.all()
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(got)[~seen])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_unsorted_segment_ids_match_masked_reference(impl, causal):
+    """Interleaved ids (every tile holds several segments, and a segment recurs in distant tiles): tile skipping by
+    [min, max] ranges must not drop a visible pair; results equal the masked reference, gradients included."""
+    q, k, v, do = _inputs(15, 2, 70, 70, 4, 2, 8)
+    ids = _interleaved_ids(3, 2, 70, 4)
+    ids = ids.at[1, :20].set(5).at[1, 50:].set(5)  # row 1: one segment at both ends, unlike ids in the middle
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=ids)
+    got = _fwd_and_grads(_segmented(impl, causal=causal, ids=ids), q, k, v, do)
+    _assert_close_all(got, _fwd_and_grads(ref, q, k, v, do))
+
+
+def test_segment_tile_spans_by_hand():
+    """Spans of tiles whose [min, max] segment ranges meet, worked out by hand. Row 0 sorted ids 1 1 1 2 | 2 2 3 3 | 3 4
+    (tiles of 4, the last edge-padded with 4s) against key tiles of 2; row 1 unsorted."""
+    from pallas_kernels.flash_attention._common import segment_tile_spans
+
+    q_ids = jnp.asarray([[1, 1, 1, 2, 2, 2, 3, 3, 3, 4], [5, 1, 1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    (k_lo, k_hi), (q_lo, q_hi) = segment_tile_spans(q_ids, q_ids, bq=4, bk=2, tp=12, sp=10)
+    # Row 0 key tiles (1 1)(1 2)(2 2)(3 3)(3 4): query tile [1,2] meets key tiles 0-2, [2,3] meets 1-4, [3,4] meets 3-4.
+    # Row 1 key tiles (5 1)(1 1)(1 1)(1 1)(1 1): query tile [1,5] meets all; [1,1] and [1,1] meet all five too.
+    np.testing.assert_array_equal(k_lo, [[0, 1, 3], [0, 0, 0]])
+    np.testing.assert_array_equal(k_hi, [[3, 5, 5], [5, 5, 5]])
+    np.testing.assert_array_equal(q_lo, [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(q_hi, [[1, 2, 2, 3, 3], [3, 3, 3, 3, 3]])
+    # Disjoint documents of queries and keys: every span empty, returned as [0, 0).
+    (k_lo, k_hi), (q_lo, q_hi) = segment_tile_spans(q_ids[:1], q_ids[:1] + 10, bq=4, bk=2, tp=12, sp=10)
+    assert not np.any(k_lo) and not np.any(k_hi) and not np.any(q_lo) and not np.any(q_hi)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_one_segment_equals_no_segments(impl):
+    """A row that is one document (all ids equal) gives the unsegmented results: the segment path changes the mask
+    only, not the arithmetic."""
+    q, k, v, do = _inputs(16, 1, 50, 50, 4, 2, 8)
+    ids = jnp.full((1, 50), 3, jnp.int32)
+    blocks = PACKED_BLOCKS[impl]
+    plain = lambda q, k, v: flash_attention(q, k, v, implementation=impl, block_sizes=blocks)
+    _assert_close_all(
+        _fwd_and_grads(_segmented(impl, causal=True, ids=ids), q, k, v, do), _fwd_and_grads(plain, q, k, v, do), 1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), "kv_segment_ids given without segment_ids"),
+        (dict(segment_ids=jnp.zeros((1, 8), jnp.int32)), r"pass kv_segment_ids \[batch, 12\]"),
+        (
+            dict(segment_ids=jnp.zeros((1, 8), jnp.int32), kv_segment_ids=jnp.zeros((1, 8), jnp.int32)),
+            r"kv_segment_ids must have shape \[batch, S \(keys\)\] = \(1, 12\)",
+        ),
+        (
+            dict(segment_ids=jnp.zeros((8,), jnp.int32), kv_segment_ids=jnp.zeros((1, 12), jnp.int32)),
+            r"segment_ids must have shape \[batch, T \(queries\)\] = \(1, 8\)",
+        ),
+        (
+            dict(segment_ids=jnp.zeros((1, 8)), kv_segment_ids=jnp.zeros((1, 12), jnp.int32)),
+            "segment_ids must be an integer array",
+        ),
+    ],
+)
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_bad_segment_ids_raise_clear_errors(impl, kwargs, match):
+    q, k = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 12, 2, 16))
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k, implementation=impl, **kwargs)

@@ -412,3 +412,218 @@ def test_pallas_tpu_lowering():
         jax.grad(weighted_loss(pal), argnums=range(6))(*args), jax.grad(weighted_loss(ref), argnums=range(6))(*args)
     ):
         assert rel_err(a, b) < 1e-4
+
+
+# ---------------------------------------------------------------- packed documents (segment ids)
+
+# Two rows of documents, chunk 16. Row 0: a document shorter than a chunk (11), one spanning three chunks (37, ending
+# exactly at the chunk boundary 48), a single token (at 48: a start exactly at a chunk boundary), one of 14, then 6
+# tokens of padding (segment 0); ids change at every document start but recur (5 … 5), as a packer's may. Row 1: a
+# start inside a chunk and a start at a chunk boundary. T = 70 is no chunk multiple.
+PACKED_LAYOUT = (((5, 11), (7, 37), (5, 1), (9, 15), (0, 6)), ((3, 21), (4, 11), (8, 38)))
+PACKED_T = 70
+
+
+def packed_segment_ids(layout=PACKED_LAYOUT):
+    return jnp.array([[sid for sid, n in row for _ in range(n)] for row in layout], jnp.int32)
+
+
+def run_documents_separately(layout=PACKED_LAYOUT, l2=False):
+    """The independent oracle: every document of every row run alone with the token-scan reference and no segment
+    ids (the row's first document from its initial state, the others from zero); outputs concatenated back into
+    rows, the final state that of each row's last document."""
+
+    def fn(q, k, v, g, beta, s0):
+        outs, finals = [], []
+        for b, row in enumerate(layout):
+            start, pieces = 0, []
+            for i, (_, n) in enumerate(row):
+                doc = [x[b : b + 1, start : start + n] for x in (q, k, v, g, beta)]
+                o, s = naive_gated_delta_rule(
+                    *doc, initial_state=s0[b : b + 1] if i == 0 else None, output_final_state=True, use_qk_l2norm=l2
+                )
+                pieces.append(o)
+                start += n
+            outs.append(jnp.concatenate(pieces, axis=1))
+            finals.append(s)
+        return jnp.concatenate(outs, axis=0), jnp.concatenate(finals, axis=0)
+
+    return fn
+
+
+def packed_runner(implementation, *, l2=True, chunk_size=16, segment_ids=None):
+    seg = packed_segment_ids() if segment_ids is None else segment_ids
+    if implementation == "pallas_gpu":  # V = 24 pads to 32: two value tiles of 16
+        return runner("pallas_gpu", chunk_size=chunk_size, l2=l2, block_v=16, segment_ids=seg)
+    if implementation == "pallas_tpu":
+        return runner("pallas_tpu", chunk_size=chunk_size, l2=l2, segment_ids=seg)
+
+    def fn(q, k, v, g, beta, s0):
+        kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm=l2, segment_ids=seg)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, implementation=implementation, **kw)
+
+    return fn
+
+
+def test_packed_layout_is_as_documented():
+    seg = np.asarray(packed_segment_ids())
+    assert seg.shape == (2, PACKED_T)
+    starts = [sorted(set(np.flatnonzero(np.diff(row)) + 1)) for row in seg]
+    assert starts == [[11, 48, 49, 64], [21, 32]]  # 48 and 32: chunk boundaries of chunk 16
+
+
+GRAD_NAMES = "q k v g beta initial_state".split()
+
+
+def values_and_grads(fn, args):
+    """(outputs, final state) and the `weighted_loss` gradients w.r.t. all six inputs."""
+    return fn(*args), jax.grad(weighted_loss(fn), argnums=range(6))(*args)
+
+
+def assert_matches(fn, args, expected):
+    (values, grads), (want_values, want_grads) = values_and_grads(fn, args), expected
+    for got, want in zip(values, want_values):
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    for name, got, want in zip(GRAD_NAMES, grads, want_grads):
+        assert rel_err(got, want) < 2e-5, name
+
+
+# The oracle's separate runs (a scan per document, forward and backward) are computed once per module.
+@pytest.fixture(scope="module")
+def packed_f32():
+    args = make_inputs(2, PACKED_T, 2, 16, 24, seed=20, unit_keys=False)
+    return args, values_and_grads(run_documents_separately(l2=True), args)
+
+
+@pytest.fixture(scope="module")
+def packed_strong_decay():
+    """g = −20 per token over whole documents (row 0's three-chunk one, row 1's last), ordinary decay elsewhere; and
+    g = −20 everywhere (with the oracle's values only)."""
+    q, k, v, g, beta, s0 = make_inputs(2, PACKED_T, 1, 16, 24, seed=21, unit_keys=False)
+    strong = np.zeros((2, PACKED_T, 1), bool)
+    strong[0, 11:48], strong[1, 32:] = True, True
+    oracle = run_documents_separately(l2=True)
+    args = (q, k, v, jnp.where(strong, -20.0, g), beta, s0)
+    everywhere = (q, k, v, jnp.full(g.shape, -20.0), beta, s0)
+    return (args, values_and_grads(oracle, args)), (everywhere, oracle(*everywhere))
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_gpu", "pallas_tpu"])
+def test_packed_documents_match_separate_runs(impl, packed_f32):
+    """Outputs, final state and every gradient (q, k, v, g, β, initial state) of a packed batch equal those of running
+    each document alone; f32, l2norm on."""
+    args, expected = packed_f32
+    assert_matches(packed_runner(impl), args, expected)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
+def test_packed_documents_strong_decay(impl, packed_strong_decay):
+    """A reset emulated by huge decays would overflow or cancel; the masked form matches the separate runs where whole
+    documents decay by e^{−20} per token, gradients included.
+
+    (Where g = −20 everywhere, ∂L/∂g is ~1e-9, below the fp32 resolution of the sums that form it in every chunked
+    form, with or without segments: there only values and finiteness are checked.)"""
+    (args, expected), (everywhere, expected_values) = packed_strong_decay
+    packed = packed_runner(impl)
+    assert_matches(packed, args, expected)
+    for got, want in zip(packed(*everywhere), expected_values):
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    assert all(np.isfinite(x).all() for x in jax.grad(weighted_loss(packed), argnums=range(6))(*everywhere))
+
+
+@pytest.fixture(scope="module")
+def packed_bf16():
+    """bf16 inputs, the fp32 oracle's values and gradients, and the bf16 reference scan's (with segment ids)."""
+    f32_args = make_inputs(2, PACKED_T, 2, 32, 32, seed=8)  # the seed of test_pallas_bf16_within_reference_error
+    bf_args = tuple(x.astype(jnp.bfloat16) for x in f32_args[:5]) + (f32_args[5],)
+    oracle = values_and_grads(run_documents_separately(l2=True), f32_args)
+    return bf_args, oracle, values_and_grads(packed_runner("reference"), bf_args)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_packed_documents_bf16_within_reference_error(impl, packed_bf16):
+    """bf16 inputs: the kernel's error against the fp32 separate-runs oracle within 2x the bf16 reference's own."""
+    bf_args, (want_values, want_grads), (ref_values, ref_grads) = packed_bf16
+    values, grads = values_and_grads(packed_runner(impl), bf_args)
+    for got, base, want in zip(values, ref_values, want_values):
+        assert rel_err(got, want) <= 2 * rel_err(base, want)
+    for name, got, base, want in zip(GRAD_NAMES, grads, ref_grads, want_grads):
+        assert got.dtype == base.dtype, name
+        assert rel_err(got, want) <= 2 * rel_err(base, want), name
+
+
+def test_one_segment_per_row_equals_no_segments():
+    """Segment ids that never change start no document: the same values as without them."""
+    args = make_inputs(2, 50, 2, 16, 8, seed=23)
+    same = jnp.broadcast_to(jnp.array([[4], [0]], jnp.int32), (2, 50))
+    for impl in ("xla", "pallas"):
+        plain = runner(impl, chunk_size=16)(*args)
+        segmented = packed_runner(impl, l2=False, segment_ids=same)(*args)
+        for a, b in zip(segmented, plain):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=impl)
+
+
+def _pallas_operand_counts(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    counts = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                counts[eqn.params["name"]] = len(eqn.invars)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_segment_ids_add_one_operand_to_every_kernel_and_none_adds_nothing(impl):
+    args = make_inputs(2, 40, 1, 16, 16, seed=24)
+    seg = jnp.repeat(jnp.array([[1, 2], [3, 3]], jnp.int32), 20, axis=1)
+    extra = dict(block_v=16) if impl == "pallas_gpu" else {}
+    plain = jax.grad(weighted_loss(runner(impl, chunk_size=16, **extra)), argnums=range(6))
+    packed = jax.grad(weighted_loss(runner(impl, chunk_size=16, segment_ids=seg, **extra)), argnums=range(6))
+    n_plain, n_packed = _pallas_operand_counts(plain, *args), _pallas_operand_counts(packed, *args)
+    # The unsegmented kernels' operands (k, W, U, G, S_0 for the state kernel; and so on).
+    assert n_plain == {
+        "gated_delta_state": 5,
+        "gated_delta_output": 6,
+        "gated_delta_dv_local": 4,
+        "gated_delta_dstate": 7,
+        "gated_delta_grads": 9,
+    }
+    assert n_packed == {name: n + 1 for name, n in n_plain.items()}
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(
+    T=st.integers(1, 70),
+    n_ids=st.integers(1, 4),
+    chunk=st.sampled_from([16, 32]),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_segments_match_reference(T, n_ids, chunk, with_state, seed):
+    """Random ids from a small set (documents of a few tokens, starts anywhere): every backend against the scan."""
+    q, k, v, g, beta, s0 = make_inputs(2, T, 1, 16, 8, seed=seed)
+    seg = jax.random.randint(jax.random.key(seed + 1), (2, T), 0, n_ids)
+    kw = dict(initial_state=s0 if with_state else None, output_final_state=True, segment_ids=seg)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, **kw)
+    for impl in ("xla", "pallas_gpu", "pallas_tpu"):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, implementation=impl, **kw)
+        np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5, err_msg=impl)
+
+
+def test_segment_ids_validation():
+    q, k, v, g, beta, _ = make_inputs(2, 10, 1, 8, 4)
+    with pytest.raises(ValueError, match=r"segment_ids must be \[batch, time\]"):
+        chunk_gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.zeros((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids must be integer"):
+        chunk_gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.zeros((2, 10), jnp.float32))

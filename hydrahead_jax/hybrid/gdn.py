@@ -40,6 +40,7 @@ from hydrahead_jax.models.kernel_sharding import BH, BHD, BHKV, BTH, BTHD, kerne
 from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
+BT = ("batch", None)  # per-token ids [B, T] (segment ids), in kernel_call's layout names
 DT_MIN, DT_MAX = 1e-3, 1e-1
 SILU_INV_ONE = 1.2784645427610738  # z with silu(z) = z·sigmoid(z) = 1
 
@@ -56,50 +57,135 @@ def initial_dt(n_heads: int) -> np.ndarray:
     return np.geomspace(DT_MIN, DT_MAX, n_heads)
 
 
-@jax.custom_vjp
-def _conv_valid(padded: jax.Array, weight: jax.Array) -> jax.Array:
-    """y_t = Σ_j w_j · padded_{t+j} for t < len(padded) − W + 1; padded [B,W−1+T,C], weight [W,C], both fp32.
-
-    VJP:  ∂L/∂padded_s = Σ_j w_j ∂L/∂y_{s−j},   ∂L/∂w_j = Σ_{b,t} ∂L/∂y_t ⊙ padded_{t+j}.
-    Written by hand so the backward keeps only ``padded``: autodiff of the shifted slices kept W−1 shifted copies
-    of the activations (one per tap) alive for the weight gradient, and XLA CPU materialised each of them.
-    """
-    width = weight.shape[0]
-    t = padded.shape[1] - width + 1
-    return sum(padded[:, j : j + t] * weight[j] for j in range(width))
-
-
-def _conv_valid_fwd(padded, weight):
-    return _conv_valid(padded, weight), (padded, weight)
-
-
-def _conv_valid_bwd(res, dy):
-    padded, weight = res
-    width = weight.shape[0]
-    t = dy.shape[1]
-    dpadded = sum(jax.lax.pad(dy * weight[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)]) for j in range(width))
-    dweight = jnp.stack([jnp.sum(dy * padded[:, j : j + t], axis=(0, 1)) for j in range(width)])
-    return dpadded, dweight
-
-
-_conv_valid.defvjp(_conv_valid_fwd, _conv_valid_bwd)
-
-
-def causal_depthwise_conv(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """y_t = Σ_j w_j · x_{t−(W−1)+j} over channels independently; x [B,T,C], weight [W,C], state [B,W−1,C].
-
-    ``state`` holds the W−1 inputs before x (zeros at the start of a sequence); returns (y, the new state = the
-    last W−1 inputs), so a sequence run in pieces (prefill, then one token at a time) equals one run over all.
-    """
-    width = weight.shape[0]
-    t = x.shape[1]
+def _conv_inputs(x: jax.Array, state: jax.Array | None, width: int) -> jax.Array:
+    """p = [state; x] in fp32, [B, W−1+T, C] (zeros for a missing state)."""
     x32 = x.astype(jnp.float32)
     if state is None:
-        padded = jax.lax.pad(x32, 0.0, [(0, 0, 0), (width - 1, 0, 0), (0, 0, 0)])
+        return jax.lax.pad(x32, 0.0, [(0, 0, 0), (width - 1, 0, 0), (0, 0, 0)])
+    return jnp.concatenate([state.astype(jnp.float32), x32], axis=1)
+
+
+def _tap(a: jax.Array, tap_mask: jax.Array | None, j: int) -> jax.Array:
+    """a [B,T,C] with the rows where tap j crosses a document start zeroed (a unchanged without a mask)."""
+    return a if tap_mask is None else a * tap_mask[j][..., None].astype(a.dtype)
+
+
+@jax.custom_vjp
+def _causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array | None, tap_mask: jax.Array | None) -> jax.Array:
+    """y_t = Σ_j w_j · m_{j,t} · p_{t+j} with p = [state; x] (fp32 inside), y in x.dtype.
+
+    x [B,T,C], weight [W,C], state [B,W−1,C] or None (zeros), tap_mask [W,B,T] bool or None (all ones).
+    VJP (d = m ⊙ ∂L/∂y per tap):  ∂L/∂p_s = Σ_j w_j d_{j,s−j},  ∂L/∂w_j = Σ_{b,t} d_{j,t} ⊙ p_{t+j}.
+    Written by hand so the backward keeps only x (in its own dtype) and the state: autodiff of the shifted slices
+    kept W−1 shifted fp32 copies of the activations (one per tap) alive for the weight gradient; here the fp32
+    p is rebuilt in the backward, where it lives only while the conv's own gradients are formed.
+    """
+    width, t = weight.shape[0], x.shape[1]
+    p = _conv_inputs(x, state, width)
+    w32 = weight.astype(jnp.float32)
+    return sum(_tap(p[:, j : j + t], tap_mask, j) * w32[j] for j in range(width)).astype(x.dtype)
+
+
+def _causal_conv_fwd(x, weight, state, tap_mask):
+    return _causal_conv(x, weight, state, tap_mask), (x, weight, state, tap_mask)
+
+
+def _causal_conv_bwd(res, dy):
+    # The barrier (with dy) keeps XLA from merging the fp32 window rebuilt here with the forward's, and from
+    # scheduling it early: either would keep W shifted fp32 copies alive from the forward to here, the very
+    # residuals this VJP exists to avoid.
+    (x, weight, state, tap_mask), dy = jax.lax.optimization_barrier((res, dy))
+    width, t = weight.shape[0], x.shape[1]
+    w32, dy32 = weight.astype(jnp.float32), dy.astype(jnp.float32)
+    p = _conv_inputs(x, state, width)
+    d = [_tap(dy32, tap_mask, j) for j in range(width)]
+    dp = sum(jax.lax.pad(d[j] * w32[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)]) for j in range(width))
+    dweight = jnp.stack([jnp.sum(d[j] * p[:, j : j + t], axis=(0, 1)) for j in range(width)]).astype(weight.dtype)
+    dstate = None if state is None else dp[:, : width - 1].astype(state.dtype)
+    return dp[:, width - 1 :].astype(x.dtype), dweight, dstate, None
+
+
+_causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
+
+
+def causal_depthwise_conv(
+    x: jax.Array, weight: jax.Array, state: jax.Array | None, segment_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """y_t = Σ_j w_j · x_{t−(W−1)+j} over channels independently; x [B,T,C], weight [W,C], state [B,W−1,C].
+
+    ``state`` holds the W−1 inputs before x (zeros at the start of a sequence); returns (y in x.dtype, the new
+    state = the last W−1 inputs), so a sequence run in pieces (prefill, then one token at a time) equals one run
+    over all.
+
+    Packed documents: with ``segment_ids`` [B,T] int32 (one id per document of the row), a tap never reads
+    across a document start:
+
+        y_t = Σ_j w_j · x_{t−(W−1)+j} · [s_{t−(W−1)+j} = s_t],
+
+    where the W−1 state positions before the row carry the id s_0: the state belongs to the document that
+    continues at t = 0, and later documents start from zeros. The new state keeps only the inputs of the row's
+    last document (others zeroed), so that document continues correctly in the next call.
+    """
+    width, t = weight.shape[0], x.shape[1]
+    if segment_ids is None:
+        tap_mask = None
     else:
-        padded = jnp.concatenate([state.astype(jnp.float32), x32], axis=1)  # [B, W−1+T, C]
-    y = _conv_valid(padded, weight.astype(jnp.float32))
-    return y.astype(x.dtype), padded[:, t:].astype(x.dtype)
+        if segment_ids.shape != x.shape[:2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"causal_depthwise_conv: segment_ids must be integer [batch, time] = {x.shape[:2]} (one id per "
+                f"document of the packed row); got {segment_ids.dtype} {segment_ids.shape}"
+            )
+        seg = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+        tap_mask = jnp.stack([seg[:, j : j + t] == segment_ids for j in range(width)])  # [W, B, T]
+    y = _causal_conv(x, weight, state, tap_mask)
+    history = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype) if state is None else state.astype(x.dtype)
+    new_state = jnp.concatenate([history, x], axis=1)[:, t:]
+    if segment_ids is not None:
+        new_state = new_state * (seg[:, t:] == segment_ids[:, -1:])[..., None].astype(new_state.dtype)
+    return y, new_state
+
+
+def backward_after_cotangent(fn):
+    """``fn`` with the same values and gradients, whose backward XLA can neither merge with the forward nor start
+    before the cotangent arrives.
+
+    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a rematerialised
+    gate) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
+    forward: both turn "recompute" back into "keep alive", through the whole layer. The optimization barrier
+    ties the saved values (the ``jax.vjp`` residuals of ``fn``) to the cotangent.
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def wrapped_fwd(*args):
+        return jax.vjp(fn, *args)
+
+    def wrapped_bwd(vjp, cotangent):
+        vjp, cotangent = jax.lax.optimization_barrier((vjp, cotangent))
+        return vjp(cotangent)
+
+    wrapped.defvjp(wrapped_fwd, wrapped_bwd)
+    return wrapped
+
+
+@functools.cache
+def gated_rms_norm(eps: float):
+    """y = o / sqrt(mean_D o² + eps) · w · silu(z) per head, fp32 inside: ``gated_rms_norm(eps)(o, z, w)`` with
+    o, z [B,T,H,D], w [H,D]; y in o's dtype.
+
+    Rematerialised: the backward keeps only o, z (in their own dtype) and w, and recomputes the normalisation,
+    sigmoid and products (elementwise, cheap) instead of keeping four fp32 activations of the forward.
+    """
+
+    @backward_after_cotangent
+    @jax.checkpoint
+    def norm(o: jax.Array, z: jax.Array, weight: jax.Array) -> jax.Array:
+        w32 = weight.astype(jnp.float32)
+        return (rms_normalize(o, eps) * w32 * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+    return norm
 
 
 class GatedDeltaNetHeads(nnx.Module):
@@ -148,16 +234,17 @@ class GatedDeltaNetHeads(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
         return g, beta
 
-    def conv(self, q, k, v, state):
+    def conv(self, q, k, v, state, segment_ids=None):
         """Causal conv over the q/k/v channels (weight and state: q, then k, then v channels); returns (q, k, v,
         new conv state). Each tensor is convolved on its own: concatenating them first costs an activation-sized
-        copy forward and backward."""
+        copy forward and backward. ``segment_ids`` [B,T]: no tap reads across a document start
+        (``causal_depthwise_conv``)."""
         splits = np.cumsum([x.shape[2] * x.shape[3] for x in (q, k)]).tolist()
         weights = jnp.split(self.conv_weight[...], splits, axis=1)
         states = [None] * 3 if state is None else jnp.split(state, splits, axis=2)
         outs, new_states = [], []
         for x, w, st in zip((q, k, v), weights, states):
-            y, st = causal_depthwise_conv(x.reshape(x.shape[0], x.shape[1], -1), w, st)
+            y, st = causal_depthwise_conv(x.reshape(x.shape[0], x.shape[1], -1), w, st, segment_ids)
             outs.append(y.reshape(x.shape))
             new_states.append(st)
         return (*outs, jnp.concatenate(new_states, axis=-1))
@@ -165,9 +252,11 @@ class GatedDeltaNetHeads(nnx.Module):
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""
         b, t = o.shape[:2]
-        z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim).astype(jnp.float32)
-        o32 = rms_normalize(o, self.cfg.rms_norm_eps)
-        return (o32 * self.o_norm_weight[...].astype(jnp.float32) * jax.nn.silu(z)).astype(o.dtype)
+        # z is formed after o exists: otherwise XLA computes it (and keeps it) before the delta rule, at the
+        # layer's peak.
+        o, x = jax.lax.optimization_barrier((o, x))
+        z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim)
+        return gated_rms_norm(self.cfg.rms_norm_eps)(o, z, self.o_norm_weight[...])
 
     # ------------------------------------------------------------------------------------------ forward
     def __call__(
@@ -178,25 +267,32 @@ class GatedDeltaNetHeads(nnx.Module):
         v: jax.Array,
         positions: jax.Array,
         cache: dict[str, Any] | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, Any] | None]:
         """x [B,T,d]; q [B,T,H_la,D] and k, v [B,T,H_kv_la,D] from the teacher's projections, *before* RoPE.
 
         Without a cache: the chunked rule from a zero state (training). With one (keys ``gdn_state``
         [B,H_la,D,D] fp32 and, with the conv, ``conv_state`` [B,W−1,C]): T == 1 takes the one-token step,
         T > 1 the chunked rule from the cached state; both return the updated cache.
+        ``segment_ids`` [B,T] int32 (packed documents, ids as the data pipeline emits them): the conv does not
+        reach across a document start; ``positions`` must then be the per-document positions.
         """
         hc, cfg = self.hybrid_cfg, self.cfg
         new_cache = None if cache is None else dict(cache)
         if hc.use_conv:
-            q, k, v, conv_state = self.conv(q, k, v, None if cache is None else cache["conv_state"])
+            conv_state = None if cache is None else cache["conv_state"]
+            with jax.named_scope("gdn_conv"):
+                q, k, v, conv_state = self.conv(q, k, v, conv_state, segment_ids)
             if cache is not None:
                 new_cache["conv_state"] = conv_state.astype(cache["conv_state"].dtype)
         if hc.la_rope:
             rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-        k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
-        v = jnp.repeat(v, cfg.group_size, axis=2)
-        g, beta = self.decay_and_beta(x)
+        with jax.named_scope("gdn_repeat"):
+            k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
+            v = jnp.repeat(v, cfg.group_size, axis=2)
+        with jax.named_scope("gdn_decay"):
+            g, beta = self.decay_and_beta(x)
         # Both rules run per device inside shard_map over the mesh axes of batch and heads (``kernel_call``).
         if cache is not None and q.shape[1] == 1:
             step = functools.partial(gated_delta_rule_step, use_qk_l2norm=True)
@@ -214,16 +310,32 @@ class GatedDeltaNetHeads(nnx.Module):
                 implementation=hc.gdn_implementation,
             )
             initial_state = None if cache is None else cache["gdn_state"]
-            o, state = kernel_call(
-                lambda q, k, v, g, beta, state: chunked(q, k, v, g, beta, initial_state=state),
-                *(q, k, v, g, beta, initial_state),
-                in_axes=(BTHD, BTHD, BTHD, BTH, BTH, None if cache is None else BHKV),
-                out_axes=(BTHD, None if cache is None else BHKV),
-            )
+
+            def rule(q, k, v, g, beta, state, segment_ids):
+                # PENDING(issue #15 item 2): once chunk_gated_delta_rule takes segment ids, this call gets
+                # `segment_ids=segment_ids` (the only change needed); until then the state runs across documents.
+                return chunked(q, k, v, g, beta, initial_state=state)
+
+            with jax.named_scope("gdn_rule"):
+                o, state = kernel_call(
+                    backward_after_cotangent(rule),
+                    *(q, k, v, g, beta, initial_state, segment_ids),
+                    in_axes=(
+                        BTHD,
+                        BTHD,
+                        BTHD,
+                        BTH,
+                        BTH,
+                        None if cache is None else BHKV,
+                        None if segment_ids is None else BT,
+                    ),
+                    out_axes=(BTHD, None if cache is None else BHKV),
+                )
         if cache is not None:
             new_cache["gdn_state"] = state
         if hc.use_output_gate:
-            o = self.output_gate(o, x)
+            with jax.named_scope("gdn_gate"):
+                o = self.output_gate(o, x)
         return o, new_cache
 
     def init_cache(self, batch: int, dtype) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 Notation used throughout the package (layout is batch, time, heads, dim):
   q [B, T, Hq, D], k/v [B, S, Hkv, D], G = Hq // Hkv query heads per KV head (query head h reads
   KV head h // G, the HF `repeat_kv` convention). Causal: query i sees key j iff j <= i + q_offset.
+  Packed documents: with segment ids q_seg [B, T] and kv_seg [B, S], query i of row b sees key j only
+  if also q_seg[b, i] == kv_seg[b, j].
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ import jax.numpy as jnp
 # A large finite negative instead of -inf: exp(MASK - m) underflows to exactly 0 but never produces
 # NaN from (-inf) - (-inf) when a whole block of a row is masked.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def has_visible_key(m):
+    """Rows whose running score max ``m`` came from a visible key (not from MASK_VALUE or the -inf start).
+
+    Only segment ids can leave a query with no visible key (causally every query sees key 0); such a row must
+    output 0, not the mean of the masked values that exp(MASK_VALUE - MASK_VALUE) = 1 would average.
+    """
+    return m > 0.5 * MASK_VALUE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,3 +167,73 @@ def check_inputs(q, k, v, *, causal: bool, scale, q_offset):
             "attend to; pass q_offset >= 0 (queries are positions q_offset..q_offset+T-1 of the keys)"
         )
     return scale, q_offset
+
+
+def check_segment_ids(segment_ids, kv_segment_ids, *, batch: int, q_len: int, kv_len: int):
+    """Validates packed-document segment ids; returns (q_seg [B, T], kv_seg [B, S]) as int32, or (None, None).
+
+    kv_segment_ids defaults to segment_ids when the queries and keys are the same positions (S == T).
+    """
+    if segment_ids is None:
+        if kv_segment_ids is not None:
+            raise ValueError(
+                "kv_segment_ids given without segment_ids: pass segment_ids [batch, q_len] for the queries too "
+                "(or neither, for no document masking)"
+            )
+        return None, None
+    if kv_segment_ids is None:
+        if kv_len != q_len:
+            raise ValueError(
+                f"segment_ids cover the {q_len} queries but there are {kv_len} keys: pass kv_segment_ids "
+                f"[batch, {kv_len}] with the segment of every key"
+            )
+        kv_segment_ids = segment_ids
+    out = []
+    for name, ids, length, what in (
+        ("segment_ids", segment_ids, q_len, "T (queries)"),
+        ("kv_segment_ids", kv_segment_ids, kv_len, "S (keys)"),
+    ):
+        shape, dtype = getattr(ids, "shape", None), getattr(ids, "dtype", None)
+        if shape != (batch, length):
+            raise ValueError(f"{name} must have shape [batch, {what}] = {(batch, length)}, got {shape}")
+        if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array (one id per document), got dtype {dtype}")
+        out.append(jnp.asarray(ids, jnp.int32))
+    return tuple(out)
+
+
+def segment_tile_ranges(seg, block: int, padded_len: int):
+    """(min, max) segment id of each tile of ``block`` positions: two int32 [B, padded_len // block].
+
+    The tail is padded with the row's last id (edge padding), which widens no tile's range; padded positions
+    are masked by length or sliced off by the kernels, so their ids never decide a result.
+    """
+    pad = padded_len - seg.shape[1]
+    tiles = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge").reshape(seg.shape[0], -1, block)
+    return tiles.min(-1), tiles.max(-1)
+
+
+def segment_tile_spans(q_seg, kv_seg, *, bq: int, bk: int, tp: int, sp: int):
+    """For query tiles of bq rows and key tiles of bk (T padded to tp, S to sp), two pairs of int32 arrays:
+
+      k_lo, k_hi [B, tp/bq]: key tiles [k_lo, k_hi) hold every key tile whose segment range meets query tile i's;
+      q_lo, q_hi [B, sp/bk]: query tiles [q_lo, q_hi) hold every query tile whose range meets key tile j's.
+
+    A tile pair outside these spans has disjoint [min, max] ranges, so no query and key of the same segment: it
+    can be skipped for any ids. For sorted ids (packed rows) the ranges meet on a contiguous run of tiles, so the
+    spans are exactly the tiles that need computing. An empty span is returned as [0, 0).
+    """
+    q_min, q_max = segment_tile_ranges(q_seg, bq, tp)
+    k_min, k_max = segment_tile_ranges(kv_seg, bk, sp)
+    meets = (q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])  # [B, nq, nk]
+
+    def span(hit):  # first and one-past-last True along the last axis; [0, 0) when none
+        n = hit.shape[-1]
+        lo = jnp.argmax(hit, axis=-1)
+        hi = n - jnp.argmax(hit[..., ::-1], axis=-1)
+        some = hit.any(-1)
+        return jnp.where(some, lo, 0).astype(jnp.int32), jnp.where(some, hi, 0).astype(jnp.int32)
+
+    k_lo, k_hi = span(meets)
+    q_lo, q_hi = span(meets.swapaxes(1, 2))
+    return (k_lo, k_hi), (q_lo, q_hi)

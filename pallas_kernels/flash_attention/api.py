@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels.dispatch import IMPLEMENTATIONS, check_implementation, platform_of, resolve
-from pallas_kernels.flash_attention._common import BlockSizes, check_inputs
+from pallas_kernels.flash_attention._common import BlockSizes, check_inputs, check_segment_ids
 
 __all__ = ["IMPLEMENTATIONS", "flash_attention"]
 
@@ -16,12 +16,17 @@ def flash_attention(
     causal: bool = True,
     scale: float | None = None,
     q_offset: int | None = None,
+    segment_ids=None,
+    kv_segment_ids=None,
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
 ):
     """Multi-head / grouped-query attention without materialising the [T, S] score matrix.
 
-    out[b, i, h] = Σ_j softmax_j(scale · q[b,i,h]·k[b,j,h//G]) v[b,j,h//G]  (softmax in fp32)
+    out[b, i, h] = Σ_{j visible} softmax_j(scale · q[b,i,h]·k[b,j,h//G]) v[b,j,h//G]  (softmax in fp32)
+
+    Key j is visible to query i iff (not causal or j <= i + q_offset) and, with segment ids,
+    segment_ids[b, i] == kv_segment_ids[b, j] (packed documents attend only within themselves).
 
     Args:
       q: [B, T, Hq, D] queries. k, v: [B, S, Hkv, D]; Hq must be a multiple of Hkv (G = Hq // Hkv;
@@ -30,6 +35,12 @@ def flash_attention(
       scale: logit scale, default 1/sqrt(D).
       q_offset: position of query 0 among the keys; default S - T (the queries are the last T key
         positions: prefill continuation / decode). Must be >= 0. Ignored when not causal.
+      segment_ids: optional [B, T] integer segment (document) id of each query; any int32 values, sorted or
+        not (packed rows: 1, 2, ... per document, 0 for padding). A query with no visible key at all (only
+        possible non-causal or with kv_segment_ids) gets output 0 and zero gradients.
+      kv_segment_ids: optional [B, S] segment id of each key; defaults to segment_ids when S == T (required
+        otherwise, e.g. a chunk of queries continuing a cached prefix). Needs segment_ids. The Pallas kernels
+        skip every (query tile, key tile) pair whose segment ranges do not meet.
       implementation: "auto" (Pallas on GPU/TPU, "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
         Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific
         kernel; interpret mode on CPU), or "reference" (materialises the scores; for testing).
@@ -41,17 +52,28 @@ def flash_attention(
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     scale, q_offset = check_inputs(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
+    q_seg, kv_seg = check_segment_ids(
+        segment_ids, kv_segment_ids, batch=q.shape[0], q_len=q.shape[1], kv_len=k.shape[1]
+    )
+    segments = {} if q_seg is None else dict(segment_ids=q_seg, kv_segment_ids=kv_seg)
 
     implementation, interpret = resolve("flash_attention", implementation, platform_of(q))
     if implementation == "reference":
         from pallas_kernels.flash_attention.reference import attention_reference
 
-        return attention_reference(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
+        return attention_reference(q, k, v, causal=causal, scale=scale, q_offset=q_offset, **segments)
     if implementation == "xla":
         from pallas_kernels.flash_attention.xla import flash_attention_xla
 
         return flash_attention_xla(
-            q, k, v, causal=causal, scale=scale, q_offset=q_offset, block_sizes=block_sizes or BlockSizes.default("xla")
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            q_offset=q_offset,
+            block_sizes=block_sizes or BlockSizes.default("xla"),
+            **segments,
         )
     native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation]
     if native == "gpu":
@@ -67,4 +89,5 @@ def flash_attention(
         q_offset=q_offset,
         block_sizes=block_sizes or BlockSizes.default(native, head_dim=q.shape[-1], dtype=q.dtype),
         interpret=interpret,
+        **segments,
     )

@@ -17,7 +17,7 @@ from .step import gated_delta_rule_step
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_step", "IMPLEMENTATIONS"]
 
 
-def _check(q, k, v, g, beta, initial_state, chunk_size, scale):
+def _check(q, k, v, g, beta, initial_state, chunk_size, scale, segment_ids):
     def fail(msg):
         raise ValueError(f"chunk_gated_delta_rule: {msg}")
 
@@ -48,6 +48,13 @@ def _check(q, k, v, g, beta, initial_state, chunk_size, scale):
         fail(f"scale must be a Python float or None (default key_dim**-0.5); got {type(scale).__name__}")
     if T == 0:
         fail("the time axis is empty")
+    if segment_ids is not None:
+        if getattr(segment_ids, "shape", None) != (B, T):
+            fail(
+                f"segment_ids must be [batch, time]={(B, T)} (one id per token); got {getattr(segment_ids, 'shape', None)}"
+            )
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            fail(f"segment_ids must be integer (int32 document ids); got {segment_ids.dtype}")
 
 
 def chunk_gated_delta_rule(
@@ -62,6 +69,7 @@ def chunk_gated_delta_rule(
     output_final_state=False,
     use_qk_l2norm=False,
     chunk_size=64,
+    segment_ids=None,
     implementation="auto",
 ):
     """Gated delta rule over a whole sequence (chunked, differentiable).
@@ -71,16 +79,24 @@ def chunk_gated_delta_rule(
       scale: multiplies q (default K**-0.5). initial_state: [B, H, K, V] (kept in fp32).
       output_final_state: also return the state after the last token. use_qk_l2norm: L2-normalise
       q and k over K first (in fp32, eps 1e-6 inside the sqrt, as FLA). chunk_size: power of two ≥ 16.
+      segment_ids: [B, T] int (packed documents) or None. A document starts wherever segment_ids[b, t] ≠
+      segment_ids[b, t−1]; the state restarts from zero there, so each document's outputs are those of running it
+      alone (the row's first document starts from initial_state), and final_state is the last document's. No
+      gradient flows to them. (Like FLA's `cu_seqlens`, with static shapes.)
       implementation: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla", "pallas" (this platform's
       kernel; interpret mode on CPU), "pallas_gpu", "pallas_tpu", "reference" (token scan).
     Returns:
       (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] fp32 or None).
     """
     name, interpret = resolve("chunk_gated_delta_rule", implementation, platform_of(q))
-    _check(q, k, v, g, beta, initial_state, chunk_size, scale)
+    _check(q, k, v, g, beta, initial_state, chunk_size, scale, segment_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kw = dict(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        segment_ids=segment_ids,
     )
     if name == "reference":
         return _reference.naive_gated_delta_rule(q, k, v, g, beta, **kw)

@@ -35,6 +35,25 @@ Every backend runs the same parts:
    The sequential steps never form a C×C product, so the GPU kernels can split V into tiles there without
    recomputing q kᵀ per tile; the chunk-parallel kernels form q kᵀ once per chunk and loop over V tiles inside.
 
+Packed documents (segment ids). At a document start t > 0 the state restarts from zero. Per chunk, with doc_i the
+chunk-local document index (`chunk_documents`: the number of starts at chunk positions ≤ i, so doc_i = 0 for the
+tokens that continue the document the chunk began in), the prologue and every chunk function take
+
+    E_ij = [doc_i = doc_j]          (i, j of one document)          r_i = [doc_i = 0]           (reads S_n)
+    w_j = [doc_j = doc_{C−1}]       (writes into S_{n+1})           c = [doc_{C−1} = 0]          (S_n survives)
+    G_i = Σ_{m ≤ i, E_im} g_m       (segment-local cumulative decay; G_C = G_{C−1})
+
+and every formula above holds with the decays masked:
+
+    D_ij = E_ij e^{G_i − G_j} (i ≥ j),   A_ij = E_ij β_i (k_i·k_j) e^{G_i − G_j} (i > j),   W = T (β r e^G k),
+    O = (q ⊙ r e^G) S_n + ((q kᵀ) ⊙ D) ν,   S_{n+1} = c e^{G_C} S_n + (k ⊙ w e^{G_C − G})ᵀ ν
+
+(T is block diagonal by document, so W's rows vanish where r = 0). The backward takes the same masked q̂ = q r e^G,
+k̂ = k w e^{G_C − G}, D and c e^{G_C}: the dG terms of masked entries vanish with them, and the prologue's VJP
+carries dG to g through the segment-local sums. Every masked exponent is set to −inf before exp (the kept ones are
+≤ 0): no reset is emulated by a huge decay, so nothing overflows and no large cumulative sums cancel. Without segment ids the masks
+are all ones and the kernels take no document operand. Tokens padded after T repeat the last id: they start nothing.
+
 3. `make_rule`: one custom_vjp around the whole rule (prologue and recurrence) that saves only its inputs (in their
    own dtype) and the chunk-start states S_n; the backward recomputes the prologue (cheap, chunk-parallel) and
    differentiates it with `jax.vjp`. `chunked_gated_delta_rule` calls it.
@@ -135,11 +154,31 @@ def _solve_bwd(res, dx):
 unit_lower_solve.defvjp(_solve_fwd, _solve_bwd)
 
 
-def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size):
+def chunk_documents(segment_ids, chunk_size):
+    """Segment ids [B, T] (int) → the chunk-local document index ``doc`` [B, N, C], fp32.
+
+    A document starts wherever segment_ids[b, t] ≠ segment_ids[b, t−1] (t > 0; a change of id, so an id that
+    comes back later starts a new document). doc_i counts those starts at chunk positions ≤ i, so 0 marks the
+    tokens that continue the document the chunk began in (they read the carried state) and equal values mark
+    one document. Padded steps repeat the last id: they start nothing and leave the final state alone.
+    Why fp32: small integers (≤ C) compare exactly, and a float column transposes to a row inside the kernels
+    the way G does (`_as_row`); an int transpose does not lower everywhere.
+    """
+    B, T = segment_ids.shape
+    C = chunk_size
+    pad = (-T) % C
+    seg = jnp.pad(segment_ids, [(0, 0), (0, pad)], mode="edge")
+    starts = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return jnp.cumsum(starts.reshape(B, -1, C).astype(jnp.int32), axis=-1).astype(_F32)
+
+
+def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, doc=None):
     """Pads T to a chunk multiple and computes the chunk-parallel WY quantities, all fp32.
 
     Returns a dict of [B,H,N,C,·] arrays: q (scaled), k, w, u and gcum [B,H,N,C]. Padded steps have
-    g=0, β=0, k=0, so they leave the state unchanged (α=1, nothing written).
+    g=0, β=0, k=0, so they leave the state unchanged (α=1, nothing written). With ``doc`` [B,N,C]
+    (`chunk_documents`), gcum is the segment-local cumulative decay, A only couples tokens of one document and
+    W's right-hand side only keeps the rows that read the carried state ("Packed documents" in the module docstring).
     """
     B, T, H, K = q.shape
     C = chunk_size
@@ -157,16 +196,25 @@ def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size):
     q, k, v, g, beta = map(to_chunks, (q, k, v, g, beta))
     i = jnp.arange(C)[:, None]
     j = jnp.arange(C)[None, :]
-    # The chunk-local cumsum as a product with a lower-triangular ones matrix: XLA CPU lowers `cumsum` to a
-    # reduce-window that it then fuses into every consumer, re-summing up to C terms per element of the
-    # [C, C] decay below (profiled at T=8K, 9 heads: that exp fusion took 19 ms, 7 ms with the matmul).
-    gcum = _mm("...j,ij->...i", g, (i >= j).astype(_F32))
-    # Mask before exp: only i > j ever reaches exp; the rest becomes exp(−inf) = 0.
-    decay = jnp.exp(jnp.where(i > j, gcum[..., :, None] - gcum[..., None, :], -jnp.inf))
+    if doc is None:
+        # The chunk-local cumsum as a product with a lower-triangular ones matrix: XLA CPU lowers `cumsum` to a
+        # reduce-window that it then fuses into every consumer, re-summing up to C terms per element of the
+        # [C, C] decay below (profiled at T=8K, 9 heads: that exp fusion took 19 ms, 7 ms with the matmul).
+        gcum = _mm("...j,ij->...i", g, (i >= j).astype(_F32))
+        coupled = i > j
+        eg = jnp.exp(gcum)
+    else:
+        doc = doc[:, None]  # [B,1,N,C]: the same documents for every head
+        same = doc[..., :, None] == doc[..., None, :]  # [B,1,N,C,C]
+        gcum = _mm("...j,...ij->...i", g, ((i >= j) & same).astype(_F32))  # Σ g over the document, up to i
+        coupled = (i > j) & same
+        eg = jnp.exp(jnp.where(doc == 0, gcum, -jnp.inf))  # r ⊙ e^G: only the carried document reads S_n
+    # Mask before exp: only i > j (of one document) ever reaches exp; the rest becomes exp(−inf) = 0.
+    decay = jnp.exp(jnp.where(coupled, gcum[..., :, None] - gcum[..., None, :], -jnp.inf))
     a = beta[..., :, None] * _mm("bhnik,bhnjk->bhnij", k, k) * decay
     # W and U as one solve, but with the two right-hand sides kept apart: a concatenation of two activation-sized
     # arrays is a slow copy on XLA CPU.
-    w, u = unit_lower_solve(a, (beta[..., None] * jnp.exp(gcum)[..., None] * k, beta[..., None] * v))
+    w, u = unit_lower_solve(a, (beta[..., None] * eg[..., None] * k, beta[..., None] * v))
     return dict(q=q, k=k, w=w, u=u, gcum=gcum)
 
 
@@ -190,15 +238,47 @@ def _chunk_end(g):
     return jnp.sum(jnp.where(last, g, 0.0), axis=0, keepdims=True), last
 
 
-def _causal_decay(g):
-    """D (C,C): e^{G_i − G_j} for i ≥ j, else 0; plus the row/col iotas."""
+def _as_row(x, row, col):
+    """A (C,1) column as a (1,C) row, by a masked reduction: portable where a (C,1)->(1,C) transpose is not."""
+    return jnp.sum(jnp.where(row == col, x, 0.0), axis=0, keepdims=True)
+
+
+def _causal_decay(g, doc=None):
+    """D (C,C): e^{G_i − G_j} for i ≥ j (and, with ``doc``, i and j of one document), else 0; plus the iotas."""
     C = g.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    # Transpose the column into a row with a masked reduction: portable where (C,1)->(1,C) is not.
-    g_row = jnp.sum(jnp.where(row == col, g, 0.0), axis=0, keepdims=True)
-    # Mask before exp: only i ≥ j (non-positive exponents) reaches exp.
-    return jnp.exp(jnp.where(row >= col, g - g_row, -jnp.inf)), row, col
+    keep = row >= col
+    if doc is not None:
+        keep = keep & (doc == _as_row(doc, row, col))
+    # Mask before exp: only kept pairs (non-positive exponents) reach exp.
+    return jnp.exp(jnp.where(keep, g - _as_row(g, row, col), -jnp.inf)), row, col
+
+
+def decay_gates(g, g_last, doc=None, doc_last=None):
+    """The chunk's decay factors (any leading axes; g, doc (..., C, 1) or (..., C); g_last, doc_last (..., 1, 1)
+    or (..., 1)):
+
+        read  r ⊙ e^{G},   write  w ⊙ e^{G_C − G},   carry  c e^{G_C}
+
+    Without ``doc`` r = w = c = 1. With it (`chunk_documents`): r_i = [doc_i = 0] (token i continues the document
+    the chunk began in, so it reads S_n), w_j = [doc_j = doc_{C−1}] (token j writes into S_{n+1}), c = [doc_{C−1}
+    = 0] (S_n survives the chunk). Exponents are masked to −inf before exp (every kept one is ≤ 0).
+    """
+    if doc is None:
+        return jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last)
+    return (
+        jnp.exp(jnp.where(doc == 0, g, -jnp.inf)),
+        jnp.exp(jnp.where(doc == doc_last, g_last - g, -jnp.inf)),
+        jnp.exp(jnp.where(doc_last == 0, g_last, -jnp.inf)),
+    )
+
+
+def _gates(g, doc):
+    """`decay_gates` of one chunk (g, doc (C,1) columns) → (read, write, carry, G_C (1,1), last-row mask)."""
+    g_last, last = _chunk_end(g)
+    doc_last = None if doc is None else _chunk_end(doc)[0]
+    return (*decay_gates(g, g_last, doc, doc_last), g_last, last)
 
 
 def hi_lo(x, dt):
@@ -210,24 +290,25 @@ def hi_lo(x, dt):
     return hi, (x - hi.astype(_F32)).astype(dt)
 
 
-def state_step(k, w, u, g, s, prec):
-    """S_{n+1} = e^{G_C} S_n + (k ⊙ e^{G_C − G})ᵀ (U − W S_n) for one V tile.
+def state_step(k, w, u, g, s, prec, doc=None):
+    """S_{n+1} = e^{G_C} S_n + (k ⊙ e^{G_C − G})ᵀ (U − W S_n) for one V tile (gated by c and w with ``doc``).
 
-    k, w (C,K) in the operand dtype; u (C,BV), g (C,1) and s (K,BV) fp32 → fp32 (K,BV).
+    k, w (C,K) in the operand dtype; u (C,BV), g, doc (C,1) and s (K,BV) fp32 → fp32 (K,BV).
     """
     dt = k.dtype
-    g_last, _ = _chunk_end(g)
+    _, write, carry, _, _ = _gates(g, doc)
     vn = u.astype(_F32) - dot(w, s.astype(dt), prec)
-    kd = (k.astype(_F32) * jnp.exp(g_last - g)).astype(dt)
-    return jnp.exp(g_last) * s + dot(kd, vn.astype(dt), prec, trans_a=True)
+    kd = (k.astype(_F32) * write).astype(dt)
+    return carry * s + dot(kd, vn.astype(dt), prec, trans_a=True)
 
 
-def intra_chunk(q, k, g, prec):
-    """(q kᵀ) ⊙ D and q ⊙ e^G, both in the operand dtype, formed once per chunk for all V tiles."""
+def intra_chunk(q, k, g, prec, doc=None):
+    """(q kᵀ) ⊙ D and q ⊙ e^G (⊙ r), both in the operand dtype, formed once per chunk for all V tiles."""
     dt = q.dtype
-    decay, _, _ = _causal_decay(g)
+    decay, _, _ = _causal_decay(g, doc)
+    read = _gates(g, doc)[0]
     scores = dot(q, k, prec, trans_b=True) * decay
-    return scores.astype(dt), (q.astype(_F32) * jnp.exp(g)).astype(dt)
+    return scores.astype(dt), (q.astype(_F32) * read).astype(dt)
 
 
 def output_tile(qd, scores, w, u, s, prec):
@@ -238,14 +319,14 @@ def output_tile(qd, scores, w, u, s, prec):
     return dot(qd, s, prec) + dot(scores, vn.astype(dt), prec)
 
 
-def dstate_step(q, k, w, g, do, dvl, ds, prec):
+def dstate_step(q, k, w, g, do, dvl, ds, prec, doc=None):
     """Reverse step: ds = dS_{n+1} (K,BV) fp32, dvl = ((q kᵀ) ⊙ D)ᵀ dO (C,BV) fp32 → (dν (C,BV), dS_n), fp32."""
     dt = k.dtype
-    g_last, _ = _chunk_end(g)
-    kd = (k.astype(_F32) * jnp.exp(g_last - g)).astype(dt)
+    read, write, carry, _, _ = _gates(g, doc)
+    kd = (k.astype(_F32) * write).astype(dt)
     dvn = dvl + dot(kd, ds.astype(dt), prec)
-    qd = (q.astype(_F32) * jnp.exp(g)).astype(dt)
-    ds_prev = dot(qd, do.astype(dt), prec, trans_a=True) + jnp.exp(g_last) * ds
+    qd = (q.astype(_F32) * read).astype(dt)
+    ds_prev = dot(qd, do.astype(dt), prec, trans_a=True) + carry * ds
     return dvn, ds_prev - dot(w, dvn.astype(dt), prec, trans_a=True)
 
 
@@ -274,13 +355,12 @@ def grads_tile(acc, w, u, s, do, dvn, ds, prec):
     )
 
 
-def grads_finish(q, k, g, acc, prec):
+def grads_finish(q, k, g, acc, prec, doc=None):
     """The summed tiles → (dq, dk, dW (C,K), dG (C,1)), fp32 (formulas in the module docstring)."""
     dqd, dkd, dw, dp, dss = acc
     dt = q.dtype
-    decay, row, col = _causal_decay(g)
-    g_last, last = _chunk_end(g)
-    eg, ek = jnp.exp(g), jnp.exp(g_last - g)
+    decay, row, col = _causal_decay(g, doc)
+    eg, ek, carry, _, last = _gates(g, doc)
     qk = dot(q, k, prec, trans_b=True)
     dsc = dp * decay  # ∂L/∂(q kᵀ), zero above the diagonal
     dq = dqd * eg + dot(dsc.astype(dt), k, prec)
@@ -288,7 +368,7 @@ def grads_finish(q, k, g, acc, prec):
     m = dsc * qk  # ∂L/∂(G_i − G_j) on i ≥ j
     m_colsum = jnp.sum(jnp.where(row == col, jnp.sum(m, axis=0, keepdims=True), 0.0), axis=1, keepdims=True)
     s_k = jnp.sum(dkd * k.astype(_F32) * ek, axis=1, keepdims=True)
-    d_glast = jnp.sum(s_k, axis=0, keepdims=True) + jnp.exp(g_last) * dss
+    d_glast = jnp.sum(s_k, axis=0, keepdims=True) + carry * dss
     dg = (
         jnp.sum(dqd * q.astype(_F32) * eg, axis=1, keepdims=True)
         + jnp.sum(m, axis=1, keepdims=True)
@@ -327,11 +407,13 @@ class RuleConfig(NamedTuple):
     prec: jax.lax.Precision
 
 
-def _prepare(cfg: RuleConfig, q, k, v, g, beta):
+def _prepare(cfg: RuleConfig, q, k, v, g, beta, doc=None):
     """Prologue → the backend's operands, fp32: q, k, W [B,H,Tp,Kp], U [B,H,Tp,Vp], G [B,H,Tp,1]."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    p = chunk_prep(q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=cfg.chunk_size)
+    p = chunk_prep(
+        q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=cfg.chunk_size, doc=doc
+    )
 
     def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]; zero columns of q, k, W, U contribute nothing
         x = x.reshape(B, H, -1, d)
@@ -347,6 +429,12 @@ def _prepare(cfg: RuleConfig, q, k, v, g, beta):
     )
 
 
+def _doc_operand(doc, H):
+    """`chunk_documents`' [B,N,C] → the kernels' [B,H,Tp,1] column (G's layout, so it shares G's block specs)."""
+    B = doc.shape[0]
+    return jnp.broadcast_to(doc.reshape(B, 1, -1, 1), (B, H, doc.shape[1] * doc.shape[2], 1))
+
+
 def _operands(cfg, prepared):
     """q, k, W in the operand dtype; U and G stay fp32 (U never enters a dot; see `hi_lo` for why it must not be
     rounded)."""
@@ -360,41 +448,51 @@ def _pad_state(cfg, s):
 
 
 def make_rule(fwd_call, bwd_call):
-    """The custom_vjp gated delta rule of a backend: ``rule(cfg, q, k, v, g, beta, s0) -> (o, s_final)``.
+    """The custom_vjp gated delta rule of a backend: ``rule(cfg, q, k, v, g, beta, s0, segment_ids) -> (o, s_final)``.
 
-    q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], s0 [B,H,K,V] fp32 → o [B,T,H,V] in q's dtype, s_final fp32.
-    The backend's calls take [B,H,Tp,·] operands (`_prepare`, cast to ``cfg.operand_dtype``; G fp32):
+    q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], s0 [B,H,K,V] fp32, segment_ids [B,T] int or None → o [B,T,H,V]
+    in q's dtype, s_final fp32. The backend's calls take [B,H,Tp,·] operands (`_prepare`, cast to
+    ``cfg.operand_dtype``; G and the document column fp32):
 
-        fwd_call(q, k, w, u, g, s0, *, prec) → (o [B,H,Tp,Vp], s_final fp32, states [B,H,N,Kp,Vp])
-        bwd_call(q, k, w, u, g, states, do, ds_final, *, prec) → (dq, dk, dw, du, dg, ds0), fp32
+        fwd_call(q, k, w, u, g, doc, s0, *, prec) → (o [B,H,Tp,Vp], s_final fp32, states [B,H,N,Kp,Vp])
+        bwd_call(q, k, w, u, g, doc, states, do, ds_final, *, prec) → (dq, dk, dw, du, dg, ds0), fp32
 
-    Saved for the backward: the inputs and the chunk-start states (what a sequential pass alone can give);
-    everything else, the prologue included, is recomputed.
+    ``doc`` is None without segment ids (the kernels then take no document operand at all), else the chunk-local
+    document index [B,H,Tp,1] (`chunk_documents`). Saved for the backward: the inputs and the chunk-start states
+    (what a sequential pass alone can give); everything else, the prologue included, is recomputed. Segment ids
+    get no cotangent.
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def rule(cfg, q, k, v, g, beta, s0):
-        return rule_fwd(cfg, q, k, v, g, beta, s0)[0]
+    def rule(cfg, q, k, v, g, beta, s0, segment_ids):
+        return rule_fwd(cfg, q, k, v, g, beta, s0, segment_ids)[0]
 
-    def rule_fwd(cfg, q, k, v, g, beta, s0):
+    def documents(cfg, segment_ids):
+        return None if segment_ids is None else chunk_documents(segment_ids, cfg.chunk_size)
+
+    def rule_fwd(cfg, q, k, v, g, beta, s0, segment_ids):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta))
-        o, s_final, states = fwd_call(*ops, _pad_state(cfg, s0), prec=cfg.prec)
+        doc = documents(cfg, segment_ids)
+        ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta, doc))
+        doc_op = None if doc is None else _doc_operand(doc, H)
+        o, s_final, states = fwd_call(*ops, doc_op, _pad_state(cfg, s0), prec=cfg.prec)
         o = jnp.moveaxis(o[:, :, :T, :V], 1, 2).astype(q.dtype)
-        return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, states)
+        return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, states)
 
     def rule_bwd(cfg, res, cts):
-        q, k, v, g, beta, states = res
+        q, k, v, g, beta, segment_ids, states = res
         do, ds_final = cts
         B, T, H, K = q.shape
         V = v.shape[-1]
-        prepare = functools.partial(_prepare, cfg)
+        doc = documents(cfg, segment_ids)
+        prepare = functools.partial(_prepare, cfg, doc=doc)
         prepared = prepare(q, k, v, g, beta)
         Tp = prepared[0].shape[2]
         do = jnp.pad(jnp.moveaxis(do, 2, 1), [(0, 0), (0, 0), (0, Tp - T), (0, cfg.value_dim_padded - V)])
         grads = bwd_call(
             *_operands(cfg, prepared),
+            None if doc is None else _doc_operand(doc, H),
             states,
             do.astype(cfg.operand_dtype),
             _pad_state(cfg, ds_final.astype(_F32)),
@@ -405,7 +503,7 @@ def make_rule(fwd_call, bwd_call):
         # prologue computations (which would bring that overlap back).
         (q, k, v, g, beta), grads = jax.lax.optimization_barrier(((q, k, v, g, beta), grads))
         _, prep_vjp = jax.vjp(prepare, q, k, v, g, beta)
-        return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V])
+        return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V], None)
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule
@@ -425,6 +523,7 @@ def chunked_gated_delta_rule(
     use_qk_l2norm,
     chunk_size,
     pad_pow2,
+    segment_ids=None,
     operand_dtype=None,
     prec=None,
 ):
@@ -445,5 +544,5 @@ def chunked_gated_delta_rule(
         prec=default_precision(q.dtype) if prec is None else prec,
     )
     s0 = jnp.zeros((B, H, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
-    o, s_final = rule(cfg, q, k, v, g, beta, s0)
+    o, s_final = rule(cfg, q, k, v, g, beta, s0, segment_ids)
     return o, (s_final if output_final_state else None)

@@ -12,7 +12,8 @@ reverse sequential dS pass, same layout as the state kernel, storing dν and eac
 
 Dots take the operand dtype (bf16 inputs → bf16 tensor-core dots) with fp32 accumulation. Tiles, warps and stages
 per key dimension come from `GPU_CONFIGS`, sized so every kernel fits the H200's 232,448 B of shared memory per
-block (checked for every configuration by tests/test_compile_tier_gated_delta.py).
+block (checked for every configuration by tests/test_compile_tier_gated_delta.py). With segment ids every kernel
+also reads the document column (chunk_parallel.py), in G's layout.
 """
 
 from __future__ import annotations
@@ -76,23 +77,26 @@ def _params(warps, stages=1):
     return plt.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _state_kernel(k_ref, w_ref, u_ref, g_ref, s0_ref, states_ref, sT_ref, *, C, N, prec):
+def _state_kernel(k_ref, w_ref, u_ref, g_ref, doc_ref, s0_ref, states_ref, sT_ref, *, C, N, prec):
     def body(n, s):
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         states_ref[n, :, :] = s.astype(states_ref.dtype)
-        return chunk_math.state_step(k_ref[rows, :], w_ref[rows, :], u_ref[rows, :], g_ref[rows, :], s, prec)
+        doc = chunk_parallel.load(doc_ref, (rows, slice(None)))
+        return chunk_math.state_step(k_ref[rows, :], w_ref[rows, :], u_ref[rows, :], g_ref[rows, :], s, prec, doc)
 
     sT_ref[...] = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(_F32))
 
 
-def _dstate_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dsT_ref, dvn_ref, ds_after_ref, ds0_ref, *, C, N, prec):
+def _dstate_kernel(
+    q_ref, k_ref, w_ref, g_ref, doc_ref, do_ref, dvl_ref, dsT_ref, dvn_ref, ds_after_ref, ds0_ref, *, C, N, prec
+):
     def body(i, ds):
         n = N - 1 - i
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         ds_after_ref[n, :, :] = ds.astype(ds_after_ref.dtype)
-        dvn, ds = chunk_math.dstate_step(
-            q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], g_ref[rows, :], do_ref[rows, :], dvl_ref[rows, :], ds, prec
-        )
+        q, k, w, g, do, dvl = (r[rows, :] for r in (q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref))
+        doc = chunk_parallel.load(doc_ref, (rows, slice(None)))
+        dvn, ds = chunk_math.dstate_step(q, k, w, g, do, dvl, ds, prec, doc)
         dvn_ref[rows, :] = dvn
         return ds
 
@@ -109,7 +113,7 @@ def _seq_specs(Tp, Kp, N, bv):
     return full_k, tile_v, state, states, g_spec
 
 
-def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size=64, interpret=False, block_v=None):
+def fwd_call(q, k, w, u, g, doc, s0, *, prec, chunk_size=64, interpret=False, block_v=None):
     """(o [B,H,Tp,Vp] operand dtype, s_final [B,H,Kp,Vp] fp32, states [B,H,N,Kp,Vp] operand dtype)."""
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
@@ -117,22 +121,31 @@ def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size=64, interpret=False, block_v
     cfg = gpu_config(Kp, Vp, block_v)
     bv = cfg.block_v_seq
     full_k, tile_v, state, states_spec, g_spec = _seq_specs(Tp, Kp, N, bv)
-    states, s_final = pl.pallas_call(
+    kernel, operands, in_specs = chunk_parallel.with_documents(
         functools.partial(_state_kernel, C=C, N=N, prec=prec),
+        [k, w, u, g, s0],
+        [full_k, full_k, tile_v, g_spec, state],
+        doc,
+        g_spec,
+        4,
+    )
+    states, s_final = pl.pallas_call(
+        kernel,
         grid=(B, H, Vp // bv),
-        in_specs=[full_k, full_k, tile_v, g_spec, state],
+        in_specs=in_specs,
         out_specs=[states_spec, state],
         out_shape=[jax.ShapeDtypeStruct((B, H, N, Kp, Vp), q.dtype), jax.ShapeDtypeStruct((B, H, Kp, Vp), _F32)],
         compiler_params=_params(cfg.warps_seq, cfg.stages_seq),
         interpret=interpret,
         name="gated_delta_state",
-    )(k, w, u, g, s0)
+    )(*operands)
     o = chunk_parallel.output_call(
         q,
         k,
         w,
         u,
         g,
+        doc,
         states,
         chunk_size=C,
         block_v=cfg.block_v_par,
@@ -143,7 +156,7 @@ def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size=64, interpret=False, block_v
     return o, s_final, states
 
 
-def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None):
+def bwd_call(q, k, w, u, g, doc, states, do, dsT, *, prec, chunk_size=64, interpret=False, block_v=None):
     """(dq, dk, dw, du, dg, ds0), fp32, from the stored chunk-start states."""
     B, H, Tp, Kp = q.shape
     Vp = u.shape[-1]
@@ -151,12 +164,20 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
     cfg = gpu_config(Kp, Vp, block_v)
     bv = cfg.block_v_seq
     par = dict(chunk_size=C, block_v=cfg.block_v_par, prec=prec, compiler_params=_params(cfg.warps_par))
-    dvl = chunk_parallel.dv_local_call(q, k, g, do, interpret=interpret, **par)
+    dvl = chunk_parallel.dv_local_call(q, k, g, doc, do, interpret=interpret, **par)
     full_k, tile_v, state, states_spec, g_spec = _seq_specs(Tp, Kp, N, bv)
-    dvn, ds_after, ds0 = pl.pallas_call(
+    kernel, operands, in_specs = chunk_parallel.with_documents(
         functools.partial(_dstate_kernel, C=C, N=N, prec=prec),
+        [q, k, w, g, do, dvl, dsT],
+        [full_k, full_k, full_k, g_spec, tile_v, tile_v, state],
+        doc,
+        g_spec,
+        4,
+    )
+    dvn, ds_after, ds0 = pl.pallas_call(
+        kernel,
         grid=(B, H, Vp // bv),
-        in_specs=[full_k, full_k, full_k, g_spec, tile_v, tile_v, state],
+        in_specs=in_specs,
         out_specs=[tile_v, states_spec, state],
         out_shape=[
             jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
@@ -166,8 +187,10 @@ def bwd_call(q, k, w, u, g, states, do, dsT, *, prec, chunk_size=64, interpret=F
         compiler_params=_params(cfg.warps_seq, cfg.stages_seq),
         interpret=interpret,
         name="gated_delta_dstate",
-    )(q, k, w, g, do, dvl, dsT)
-    dq, dk, dw, dg = chunk_parallel.grads_call(q, k, w, u, g, states, do, dvn, ds_after, interpret=interpret, **par)
+    )(*operands)
+    dq, dk, dw, dg = chunk_parallel.grads_call(
+        q, k, w, u, g, doc, states, do, dvn, ds_after, interpret=interpret, **par
+    )
     return dq, dk, dw, dvn, dg, ds0
 
 
@@ -190,6 +213,7 @@ def chunk_gated_delta_rule_pallas_gpu(
     output_final_state,
     use_qk_l2norm,
     chunk_size=64,
+    segment_ids=None,
     interpret=False,
     block_v=None,
     prec=None,
@@ -209,5 +233,6 @@ def chunk_gated_delta_rule_pallas_gpu(
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
         pad_pow2=True,
+        segment_ids=segment_ids,
         prec=prec,
     )

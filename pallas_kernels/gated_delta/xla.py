@@ -45,27 +45,35 @@ def _put(x, value, n):
     return jax.lax.dynamic_update_index_in_dim(x, value, n, axis=2)
 
 
-def _decay_terms(g, C):
-    """g [B,H,Tp,1] (chunk-local cumulative) -> G [B,H,N,C], causal decay D [B,H,N,C,C], G_C [B,H,N,1]."""
+def _decay_terms(g, doc, C):
+    """g, doc [B,H,Tp,1] (chunk-local cumulative decay, document index or None) → causal decay D [B,H,N,C,C]
+    and the `chunk_math.decay_gates` read [B,H,N,C,1], write [B,H,N,C,1] and carry [B,H,N,1,1]."""
     B, H, Tp, _ = g.shape
     G = g.reshape(B, H, Tp // C, C)
     i = jnp.arange(C)[:, None]
     j = jnp.arange(C)[None, :]
-    causal = jnp.exp(jnp.where(i >= j, G[..., :, None] - G[..., None, :], -jnp.inf))  # mask before exp
-    return G, causal, G[..., -1:]
+    keep = i >= j
+    doc_last = None
+    if doc is not None:
+        doc = doc.reshape(G.shape)
+        keep = keep & (doc[..., :, None] == doc[..., None, :])
+        doc_last = doc[..., -1:]
+    causal = jnp.exp(jnp.where(keep, G[..., :, None] - G[..., None, :], -jnp.inf))  # mask before exp
+    read, write, carry = chunk_math.decay_gates(G, G[..., -1:], doc, doc_last)
+    return causal, read[..., None], write[..., None], carry[..., None]
 
 
-def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size):
-    """Arrays [B,H,Tp,·] fp32, g [B,H,Tp,1] → (o [B,H,Tp,V], final state, start states [B,H,N,K,V])."""
+def fwd_call(q, k, w, u, g, doc, s0, *, prec, chunk_size):
+    """Arrays [B,H,Tp,·] fp32, g and doc (or None) [B,H,Tp,1] → (o [B,H,Tp,V], final state, start states
+    [B,H,N,K,V])."""
     B, H, Tp, K = q.shape
     V = u.shape[-1]
     C = chunk_size
     qc, kc, wc, uc = (_chunked(x, C) for x in (q, k, w, u))
-    G, causal, glast = _decay_terms(g, C)
+    causal, read, write, gam = _decay_terms(g, doc, C)  # gam [B,H,N,1,1]: whole-chunk decay
     scores = _mm("bhnik,bhnjk->bhnij", qc, kc, prec) * causal  # intra-chunk q·k with decay
-    qd = qc * jnp.exp(G)[..., None]  # reads the chunk-start state
-    kd = kc * jnp.exp(glast - G)[..., None]  # writes, decayed to the chunk end
-    gam = jnp.exp(glast)[..., None]  # [B,H,N,1,1] whole-chunk decay
+    qd = qc * read  # reads the chunk-start state
+    kd = kc * write  # writes, decayed to the chunk end
 
     def body(n, carry):
         s, s_start, vn = carry
@@ -82,19 +90,18 @@ def fwd_call(q, k, w, u, g, s0, *, prec, chunk_size):
     return o.reshape(B, H, Tp, V), s, s_start
 
 
-def bwd_call(q, k, w, u, g, states, do, ds_final, *, prec, chunk_size):
+def bwd_call(q, k, w, u, g, doc, states, do, ds_final, *, prec, chunk_size):
     """VJP of `fwd_call` from the saved start states: → (dq, dk, dw, du, dg, ds0), shapes as the inputs."""
     B, H, Tp, K = q.shape
     V = u.shape[-1]
     C = chunk_size
     N = Tp // C
-    qc, kc, wc, uc, doc = (_chunked(x, C) for x in (q, k, w, u, do))
-    G, causal, glast = _decay_terms(g, C)
+    qc, kc, wc, uc, do_c = (_chunked(x, C) for x in (q, k, w, u, do))
+    causal, read, write, gam = _decay_terms(g, doc, C)
     scores = _mm("bhnik,bhnjk->bhnij", qc, kc, prec) * causal
-    dvn_from_o = _mm("bhnij,bhniv->bhnjv", scores, doc, prec)  # ((q kᵀ) ⊙ D)ᵀ dO
-    ds_from_o = _mm("bhnck,bhncv->bhnkv", qc * jnp.exp(G)[..., None], doc, prec)  # (q e^G)ᵀ dO
-    kd = kc * jnp.exp(glast - G)[..., None]
-    gam = jnp.exp(glast)[..., None]
+    dvn_from_o = _mm("bhnij,bhniv->bhnjv", scores, do_c, prec)  # ((q kᵀ) ⊙ D)ᵀ dO
+    ds_from_o = _mm("bhnck,bhncv->bhnkv", qc * read, do_c, prec)  # (q e^G)ᵀ dO
+    kd = kc * write
 
     def body(i, carry):  # ds = ∂L/∂S_{n+1}  →  ∂L/∂S_n, for n = N−1 … 0
         ds, ds_after, dvn_all = carry
@@ -110,11 +117,13 @@ def bwd_call(q, k, w, u, g, states, do, ds_final, *, prec, chunk_size):
     def flat(x):  # [B,H,N,...] -> [B·H·N, ...]
         return x.reshape((B * H * N,) + x.shape[3:])
 
-    def per_chunk(q, k, w, u, g, s, do, dvn, ds):
+    def per_chunk(q, k, w, u, g, doc, s, do, dvn, ds):
         acc = chunk_math.grads_tile(chunk_math.grads_init(C, K), w, u, s, do, dvn, ds, prec)
-        return chunk_math.grads_finish(q, k, g, acc, prec)
+        return chunk_math.grads_finish(q, k, g, acc, prec, doc)
 
-    dq, dk, dw, dg = jax.vmap(per_chunk)(*map(flat, (qc, kc, wc, uc, _chunked(g, C), states, doc, dvn, ds_after)))
+    docs = None if doc is None else flat(_chunked(doc, C))
+    chunks = map(flat, (qc, kc, wc, uc, _chunked(g, C)))
+    dq, dk, dw, dg = jax.vmap(per_chunk)(*chunks, docs, *map(flat, (states, do_c, dvn, ds_after)))
     back = lambda x: x.reshape(B, H, Tp, x.shape[-1])  # noqa: E731
     return back(dq), back(dk), back(dw), back(dvn), back(dg), ds0
 
@@ -128,7 +137,19 @@ def rule(chunk_size=64):
 
 
 def chunk_gated_delta_rule_xla(
-    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, chunk_size=64, prec=None
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm,
+    chunk_size=64,
+    segment_ids=None,
+    prec=None,
 ):
     """Chunked forward in XLA with a hand-written backward. Shapes as in api.chunk_gated_delta_rule."""
     return chunk_math.chunked_gated_delta_rule(
@@ -144,6 +165,7 @@ def chunk_gated_delta_rule_xla(
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
         pad_pow2=False,
+        segment_ids=segment_ids,
         operand_dtype=jnp.float32,
         prec=prec,
     )
