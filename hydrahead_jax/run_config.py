@@ -147,6 +147,11 @@ class DataConfig:
     num_threads: int = 2  # grain reader threads (does not change the data or its order)
     prefetch: int = 8  # batches read ahead (does not change the data or its order)
     copy_repeats: int = 4  # "copy" source: repeats of each row's random block
+    # Rows pack several documents. True: the model runs each on its own (attention within the document, the
+    # linear-attention state and conv restart at its start, RoPE at per-document positions); False: a row is one
+    # causal sequence at positions 0 … T−1 (the behaviour before packed documents were masked). The loss never
+    # counts a target from the next document either way.
+    mask_documents: bool = True
 
     def __post_init__(self):
         _require(bool(self.source), "data", "source", self.source, "is empty", "use 'enwiki' or a corpus path")

@@ -39,7 +39,7 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads
-from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache
+from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache, check_segments
 from hydrahead_jax.models.layers import rms_normalize
 
 
@@ -130,12 +130,16 @@ class HydraHeadAttention(Attention):
         cache: LayerCache | None = None,
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
-        """All head outputs [B,T,Hq,D] in the original order, before o_proj (and the new cache)."""
+        """All head outputs [B,T,Hq,D] in the original order, before o_proj (and the new cache). With
+        ``segment_ids`` (packed documents) the FA groups attend within each document and the GDN heads restart
+        their state and conv at each document start."""
         if self.hybrid_cfg is None:
-            return super().head_outputs(x, positions, cache, cache_index, probe)
+            return super().head_outputs(x, positions, cache, cache_index, probe, segment_ids)
         if probe is not None:
             raise ValueError("head-selection probes run on the teacher, not on a HydraHead student.")
+        check_segments(segment_ids, cache, probe)
         q, k, v = self.project_heads(x)
         new_cache = None if cache is None else dict(cache)
         parts = []
@@ -143,7 +147,9 @@ class HydraHeadAttention(Attention):
             q_fa = self.rope(take_heads(q, self.fa_heads), positions)
             k_fa = self.rope(take_heads(k, self.fa_groups), positions)
             fa_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-            o_fa, fa_cache = self.full_attention(q_fa, k_fa, take_heads(v, self.fa_groups), fa_cache, cache_index)
+            o_fa, fa_cache = self.full_attention(
+                q_fa, k_fa, take_heads(v, self.fa_groups), fa_cache, cache_index, segment_ids
+            )
             parts.append(o_fa)
             if cache is not None:
                 new_cache.update(fa_cache)
@@ -155,6 +161,7 @@ class HydraHeadAttention(Attention):
             take_heads(v, self.la_groups),
             positions,
             la_cache,
+            segment_ids=segment_ids,
         )
         if cache is not None:
             new_cache.update(la_cache)

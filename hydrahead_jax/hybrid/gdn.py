@@ -36,11 +36,10 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
-from hydrahead_jax.models.kernel_sharding import BH, BHD, BHKV, BTH, BTHD, kernel_call
+from hydrahead_jax.models.kernel_sharding import BH, BHD, BHKV, BT, BTH, BTHD, kernel_call
 from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
-BT = ("batch", None)  # per-token ids [B, T] (segment ids), in kernel_call's layout names
 DT_MIN, DT_MAX = 1e-3, 1e-1
 SILU_INV_ONE = 1.2784645427610738  # z with silu(z) = z·sigmoid(z) = 1
 
@@ -275,7 +274,8 @@ class GatedDeltaNetHeads(nnx.Module):
         [B,H_la,D,D] fp32 and, with the conv, ``conv_state`` [B,W−1,C]): T == 1 takes the one-token step,
         T > 1 the chunked rule from the cached state; both return the updated cache.
         ``segment_ids`` [B,T] int32 (packed documents, ids as the data pipeline emits them): the conv does not
-        reach across a document start; ``positions`` must then be the per-document positions.
+        reach across a document start and the state restarts from zero at each one; ``positions`` must then be
+        the per-document positions.
         """
         hc, cfg = self.hybrid_cfg, self.cfg
         new_cache = None if cache is None else dict(cache)
@@ -312,9 +312,7 @@ class GatedDeltaNetHeads(nnx.Module):
             initial_state = None if cache is None else cache["gdn_state"]
 
             def rule(q, k, v, g, beta, state, segment_ids):
-                # PENDING(issue #15 item 2): once chunk_gated_delta_rule takes segment ids, this call gets
-                # `segment_ids=segment_ids` (the only change needed); until then the state runs across documents.
-                return chunked(q, k, v, g, beta, initial_state=state)
+                return chunked(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids)
 
             with jax.named_scope("gdn_rule"):
                 o, state = kernel_call(

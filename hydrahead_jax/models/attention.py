@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.models.kernel_sharding import BTHD, kernel_call
+from hydrahead_jax.models.kernel_sharding import BT, BTHD, kernel_call
 from hydrahead_jax.models.layers import RMSNorm, apply_rope, dense
 from pallas_kernels.flash_attention import flash_attention
 
@@ -65,6 +65,23 @@ def cached_attention(
     t = q.shape[1]
     out, _ = dense_attention(q, k_cache, v_cache, scale, length - t + jnp.arange(t))
     return out.astype(q.dtype)
+
+
+def check_segments(segment_ids: jax.Array | None, cache: LayerCache | None, probe: HeadProbe | None) -> None:
+    """Packed documents (``segment_ids`` [B,T], one id per document in a row) are a training-time layout: a row
+    holds several whole documents, each attended on its own. Decoding (a cache) and the selection probes run one
+    sequence per row, so they take no segment ids; refuse the combinations instead of ignoring the ids."""
+    if segment_ids is None:
+        return
+    if cache is not None:
+        raise ValueError(
+            "segment_ids (packed documents) cannot be combined with a KV/state cache: prefill and decode one "
+            "document per row (pass segment_ids=None)."
+        )
+    if probe is not None:
+        raise ValueError("head-selection probes run one sequence per row; call them with segment_ids=None.")
+    if segment_ids.ndim != 2:
+        raise ValueError(f"segment_ids must be [batch, time] int32; got shape {segment_ids.shape}.")
 
 
 @dataclasses.dataclass
@@ -152,13 +169,16 @@ class Attention(nnx.Module):
         q, k, v = self.project_heads(x)
         return self.rope(q, positions), self.rope(k, positions), v
 
-    def full_attention(self, q, k, v, cache: LayerCache | None, cache_index) -> tuple[jax.Array, LayerCache | None]:
+    def full_attention(
+        self, q, k, v, cache: LayerCache | None, cache_index, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, LayerCache | None]:
         """Softmax attention of q [B,T,Hq',D] over k/v [B,T,Hkv',D] (any whole number of KV groups).
 
         Without a cache, or when filling an empty one (prefill, T > 1), it runs blockwise ``flash_attention``
         over the new tokens (per device, inside ``shard_map`` over the mesh axes of batch and heads when traced
         under a mesh: ``kernel_call``); a decode step (T == 1) writes its k/v at ``cache_index`` and attends to the
-        cache.
+        cache. ``segment_ids`` [B,T] (packed documents, no cache): a token attends only to the earlier tokens of
+        its own segment.
         """
         t = q.shape[1]
         if cache is not None:
@@ -168,7 +188,13 @@ class Attention(nnx.Module):
             if t == 1:
                 return cached_attention(q, new_k, new_v, cache_index + t, self.scale), cache
         kernel = functools.partial(flash_attention, causal=True, scale=self.scale, implementation=self.attention_impl)
-        return kernel_call(kernel, q, k, v, in_axes=(BTHD, BTHD, BTHD), out_axes=BTHD), cache
+        out = kernel_call(
+            lambda q, k, v, segment_ids: kernel(q, k, v, segment_ids=segment_ids),
+            *(q, k, v, segment_ids),
+            in_axes=(BTHD, BTHD, BTHD, None if segment_ids is None else BT),
+            out_axes=BTHD,
+        )
+        return out, cache
 
     def head_outputs(
         self,
@@ -177,14 +203,17 @@ class Attention(nnx.Module):
         cache: LayerCache | None = None,
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """Per-head outputs o [B,T,Hq,D] before o_proj (and the new cache), for x [B,T,d] at ``positions``.
 
         With a ``probe`` (no cache) the probe runs the attention (``HeadProbe.run``) and may edit the outputs.
+        ``segment_ids`` [B,T]: packed documents (see ``check_segments``); ``positions`` are then per document.
         """
+        check_segments(segment_ids, cache, probe)
         q, k, v = self.project(x, positions)
         if probe is None:
-            return self.full_attention(q, k, v, cache, cache_index)
+            return self.full_attention(q, k, v, cache, cache_index, segment_ids)
         if cache is not None:
             raise ValueError("a HeadProbe runs on whole sequences (or rows of one via its context), not with a cache.")
         return probe.run(self, q, k, v, positions).astype(q.dtype), None
@@ -196,9 +225,10 @@ class Attention(nnx.Module):
         cache: LayerCache | None = None,
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        heads, cache = self.head_outputs(x, positions, cache, cache_index, probe)
+        heads, cache = self.head_outputs(x, positions, cache, cache_index, probe, segment_ids)
         return self.o_proj(heads.reshape(b, t, -1)), cache
 
     def init_cache(self, batch: int, max_len: int, dtype) -> LayerCache:

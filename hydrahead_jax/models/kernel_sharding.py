@@ -48,6 +48,7 @@ BTH: Layout = ("batch", None, "heads")  # per-head scalars (gate g, β) [B, T, H
 BHD: Layout = ("batch", "heads", None)  # one token's q/k/v/o [B, H, D]
 BH: Layout = ("batch", "heads")  # one token's g, β [B, H]
 BHKV: Layout = ("batch", "heads", None, None)  # recurrent state [B, H, K, V]
+BT: Layout = ("batch", None)  # per-token ids (segment ids of packed documents) [B, T]
 
 log = logging.getLogger(__name__)
 

@@ -43,10 +43,12 @@ class Block(nnx.Module):
         cache_index=None,
         intermediates: dict | None = None,
         probe: HeadProbe | None = None,
+        segment_ids: jax.Array | None = None,
     ):
-        """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``."""
+        """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``;
+        ``segment_ids``: see ``Transformer.hidden_states``."""
         attn_in = self.input_layernorm(h)
-        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index, probe=probe)
+        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids)
         if intermediates is not None:
             intermediates.setdefault("attn_inputs", []).append(attn_in)
             intermediates.setdefault("attn_outputs", []).append(attn_out)
@@ -55,15 +57,17 @@ class Block(nnx.Module):
         return h, cache
 
 
-def remat_call(module: nnx.Module, *args):
-    """``module(*args)``, rematerialised in the backward pass: ``jax.checkpoint`` over a pure function of the
-    module's state, so only ``args`` and the state are kept for the backward, not the module's intermediates.
+def remat_call(module: nnx.Module, *args, **kwargs):
+    """``module(*args, **kwargs)``, rematerialised in the backward pass: ``jax.checkpoint`` over a pure function of
+    the module's state, so only the arguments and the state are kept for the backward, not the module's
+    intermediates.
 
     Functional on purpose: inside a train step the module is merged from differentiated and frozen states that
     live at different trace levels, which ``nnx.remat``'s graph updates refuse (TraceContextError).
     """
     graphdef, state = nnx.split(module)
-    return jax.checkpoint(lambda state, *args: nnx.merge(graphdef, state)(*args))(state, *args)
+    run = lambda state, args, kwargs: nnx.merge(graphdef, state)(*args, **kwargs)  # noqa: E731
+    return jax.checkpoint(run)(state, args, kwargs)
 
 
 class Transformer(nnx.Module):
@@ -106,11 +110,18 @@ class Transformer(nnx.Module):
         input_ids: jax.Array,
         *,
         positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
         cache: dict[str, Any] | None = None,
         intermediates: dict | None = None,
         remat: bool = False,
     ):
         """Final normalised hidden states [B,T,d] (and the updated cache when one is given).
+
+        Packed documents: ``segment_ids`` [B,T] int32 marks each token's document (ids of a row differ between
+        neighbouring documents; the data pipeline numbers them 1, 2, … and pads with 0) and ``positions`` [B,T]
+        restart at 0 in each document. Every layer then runs each document on its own: attention stays inside
+        the document, the linear-attention state and conv restart at its first token, and RoPE uses the
+        per-document positions, so a document's hidden states equal those of running it alone.
 
         With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
         index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
@@ -123,6 +134,10 @@ class Transformer(nnx.Module):
             )
         b, t = input_ids.shape
         cache_index = None if cache is None else cache["index"]
+        if segment_ids is not None and positions is None:
+            raise ValueError(
+                "segment_ids (packed documents) need their per-document positions: pass the batch's positions too."
+            )
         if positions is None:
             start = 0 if cache is None else cache_index
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -130,10 +145,10 @@ class Transformer(nnx.Module):
         new_layers = []
         for i, layer in enumerate(self.layers):
             if remat:
-                h, _ = remat_call(layer, h, positions)
+                h, _ = remat_call(layer, h, positions, segment_ids=segment_ids)
                 continue
             layer_cache = None if cache is None else cache["layers"][i]
-            h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates)
+            h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates, segment_ids=segment_ids)
             new_layers.append(layer_cache)
         h = self.norm(h)
         new_cache = None if cache is None else {"index": cache_index + t, "layers": new_layers}

@@ -178,7 +178,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
     if micro_batches is not None:
         scfg = dataclasses.replace(scfg, micro_batches=int(micro_batches))
     try:
-        loss, step_settings = stage_settings(scfg, stage.loss, data_parallel)
+        loss, step_settings = stage_settings(scfg, stage.loss, data_parallel, run.data.mask_documents)
     except ValueError as error:
         raise ValueError(f"config.{key}: {error}") from None
     tx, schedule = stage_optimizer(scfg, total_steps=1000)

@@ -256,8 +256,12 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
             trainable=TRAINABLE[scfg.train],
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
+            mask_documents=run.data.mask_documents,
         )
-        init = initial_first_stage if index == 0 else (lambda prev=previous: prev)
+        # The previous stage's state is handed over, not kept: the trainer drops it once split into master
+        # parameters and frozen Variables, so two model-sized states are not alive through the stage.
+        handoff, previous = [previous], None
+        init = initial_first_stage if index == 0 else handoff.pop
         previous = run_stage(
             spec,
             student_graphdef=student_graphdef,

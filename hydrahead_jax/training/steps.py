@@ -56,6 +56,7 @@ class LossSettings:
     kl_weight: float = 0.0  # stage 3: + w · KL(teacher ‖ student)
     ce_weight: float = 1.0  # next-token CE weight (stage 3; stage 2 adds CE too when > 0)
     temperature: float = 1.0
+    mask_documents: bool = True  # packed rows: each document attended on its own (``token_layout``)
     chunk: int = 512  # token chunk of the logits loops
     chunk_rows: int = 0  # global rows per logits tile (0: all rows of the micro-batch); tile = chunk_rows × chunk × V
     remat: bool = False  # rematerialise each student layer (attention block in stage 1) in the backward pass
@@ -69,11 +70,20 @@ class LossSettings:
         return self.kind in ("align", "distil") or self.kl_weight > 0
 
 
-def _positions(ids: jax.Array) -> jax.Array:
-    # Packed rows are attended as one causal sequence (no segment masking in the model), so positions run
-    # 0..T−1 over the row; loss_mask already drops the cross-document targets.
+def token_layout(batch: dict[str, jax.Array], mask_documents: bool) -> tuple[jax.Array, jax.Array | None]:
+    """(positions [B,T], segment_ids [B,T] or None) the model runs a batch with.
+
+    Rows pack several documents (``data.rows.pack_row``: segment ids 1, 2, … per document, 0 for padding, and
+    positions restarting at 0 in each). With ``mask_documents`` the model gets both, so every document is run on
+    its own (attention, linear-attention state, conv and RoPE restart at its first token). Without it (or for a
+    batch that carries no segment ids: one sequence per row) a row is one causal sequence at positions 0 … T−1.
+    Either way ``loss_mask`` drops the targets that cross a document boundary.
+    """
+    ids = batch["input_ids"]
+    if mask_documents and "segment_ids" in batch:
+        return batch["positions"], batch["segment_ids"]
     b, t = ids.shape
-    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), None
 
 
 def compute_loss(
@@ -85,23 +95,23 @@ def compute_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scalar loss and metrics of one batch for the stage ``settings.kind`` (``place_rows``: see ``row_placer``)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
-    positions = _positions(ids)
+    positions, segment_ids = token_layout(batch, settings.mask_documents)
     if settings.kind == "align":
         inter: dict[str, list] = {}
-        teacher.hidden_states(ids, positions=positions, intermediates=inter)
+        teacher.hidden_states(ids, positions=positions, segment_ids=segment_ids, intermediates=inter)
         t_in = [jax.lax.stop_gradient(x) for x in inter["attn_inputs"]]
         t_out = [jax.lax.stop_gradient(y) for y in inter["attn_outputs"]]
         attns = [layer.self_attn for layer in student.layers]
         if settings.remat:
             attns = [functools.partial(remat_call, attn) for attn in attns]
-        total, per_layer = losses.align_loss(attns, t_in, t_out, positions, mask)
+        total, per_layer = losses.align_loss(attns, t_in, t_out, positions, mask, segment_ids)
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
-    h_s, _ = student.hidden_states(ids, positions=positions, remat=settings.remat)
+    h_s, _ = student.hidden_states(ids, positions=positions, segment_ids=segment_ids, remat=settings.remat)
     metrics: dict[str, jax.Array] = {}
     total = jnp.zeros((), jnp.float32)
     if settings.kind == "distil" or settings.kl_weight > 0:
-        h_t, _ = teacher.hidden_states(ids, positions=positions)
+        h_t, _ = teacher.hidden_states(ids, positions=positions, segment_ids=segment_ids)
         kl = losses.chunked_kl(
             h_s,
             h_t,
@@ -173,7 +183,9 @@ class StepSettings:
             )
 
 
-def stage_settings(stage_cfg, kind: str, data_parallel: int = 1) -> tuple[LossSettings, StepSettings]:
+def stage_settings(
+    stage_cfg, kind: str, data_parallel: int = 1, mask_documents: bool = True
+) -> tuple[LossSettings, StepSettings]:
     """(LossSettings, StepSettings) of one stage's typed config (``run_config.StageConfig``).
 
     The config's ``loss_chunk_rows`` counts rows per data-parallel device (what bounds one device's logits tile,
@@ -187,6 +199,7 @@ def stage_settings(stage_cfg, kind: str, data_parallel: int = 1) -> tuple[LossSe
         chunk=stage_cfg.loss_chunk,
         chunk_rows=stage_cfg.loss_chunk_rows * int(data_parallel),
         remat=stage_cfg.remat,
+        mask_documents=mask_documents,
     )
     step = StepSettings(micro_batches=stage_cfg.micro_batches, master_dtype=stage_cfg.master_dtype)
     step.check_batch(stage_cfg.batch_size, int(data_parallel), loss.chunk_rows)

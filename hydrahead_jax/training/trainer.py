@@ -49,6 +49,7 @@ class StageSpec:
     trainable: Any  # nnx filter of the trained parameters
     make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
+    mask_documents: bool = True  # config.data.mask_documents: packed documents run each on its own
 
 
 class Preempted(RuntimeError):
@@ -180,7 +181,7 @@ def _train(
     steps = scfg.total_steps
     data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
     try:
-        settings, step_settings = stage_settings(scfg, spec.stage.loss, data_parallel)
+        settings, step_settings = stage_settings(scfg, spec.stage.loss, data_parallel, spec.mask_documents)
     except ValueError as error:
         raise ValueError(f"config.{key}: {error}") from None
     if settings.needs_teacher and teacher is None:
@@ -205,7 +206,8 @@ def _train(
             f"{ckpt.directory / 'corrupt'}); starting the stage over from step 0.",
             flush=True,
         )
-    if restored is not None:
+    resumed = restored is not None
+    if resumed:
         start, full, opt_state, meta = restored
         print(f"[{spec.directory.name}] resuming from step {start}/{steps}", flush=True)
         params, frozen = _split(student_graphdef, full, spec.trainable, layout)
@@ -214,6 +216,9 @@ def _train(
         full = jax.device_put(initial_student(), full_shardings)
         params, frozen = _split(student_graphdef, full, spec.trainable, layout)
         opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
+    # The full state is now held as (params in the master dtype, frozen): drop it, so a model-sized copy does not
+    # stay alive through the whole stage (the previous stage's state, for a fresh stage; see pipeline.run_stages).
+    del full, restored
     state = {
         "params": params,
         "frozen": frozen,
@@ -256,7 +261,7 @@ def _train(
     # kept when its own step's metrics and its parameters are finite.
     saved = ckpt.steps()
     last_good = saved[-1] if saved else None
-    unconfirmed = start if restored is not None else None  # the restored state's own loss is not known yet
+    unconfirmed = start if resumed else None  # the restored state's own loss is not known yet
 
     def report(step: int, device_metrics) -> dict[str, float]:
         """Read back one step's metrics (waits for that step only), stop on a non-finite value, log them."""
