@@ -69,7 +69,9 @@ def lower_tiny_train_step(mesh_axes: dict[str, int], batch_size: int, *, gradien
     teacher_pure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.as_pure(teacher_state))
     teacher_specs = _specs(shd.state_shardings(teacher_state, mesh))
     rows = jax.ShapeDtypeStruct((batch_size, int(scfg.seq_len)), jnp.int32)
-    batch = {"input_ids": rows, "targets": rows, "loss_mask": jax.ShapeDtypeStruct(rows.shape, jnp.float32)}
+    # The data pipeline's full batch: packed documents reach both kernels as segment ids (data.mask_documents).
+    batch = {name: rows for name in ("input_ids", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
     batch_spec = shd.logical_to_spec(("batch", None), rows.shape, mesh)
     assert batch_spec != jax.sharding.PartitionSpec(None, None), "the batch must really be split for this test"
     return lower_for_tpu(

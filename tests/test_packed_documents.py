@@ -165,6 +165,48 @@ def test_packed_row_gradients_equal_sum_over_documents():
     assert any("gdn" in p for p, _ in flat_got) and any("fusion" in p for p, _ in flat_got)
 
 
+def test_one_hybrid_layer_values_and_input_gradients_per_document():
+    """The HydraHead attention block alone (FA group + GDN heads + conv + fusion) on packed inputs x: its outputs and
+    ∂/∂x of Σ⟨out, r⟩ equal those of each document's x run alone."""
+    _, student = models()
+    layer = student.layers[0].self_attn
+    docs_per_row = documents()
+    batch = packed_batch(docs_per_row)
+    rng = np.random.default_rng(5)
+    x_packed = rng.normal(size=(len(docs_per_row), ROW_LEN, CFG.hidden_size)).astype(np.float32)
+    ids, weights = alone(docs_per_row)
+    x_alone = np.zeros((ids.shape[0], ids.shape[1], CFG.hidden_size), np.float32)
+    r_packed = rng.normal(size=x_packed.shape).astype(np.float32)
+    r_alone = np.zeros_like(x_alone)
+    n = 0
+    for row, docs in enumerate(docs_per_row):
+        for doc, span in zip(docs, spans(docs)):
+            x_alone[n, : len(doc)], r_alone[n, : len(doc)] = x_packed[row, span], r_packed[row, span]
+            n += 1
+    pad = (np.asarray(batch["segment_ids"]) == 0)[..., None]
+    r_packed = np.where(pad, 0.0, r_packed)  # the padding tail is not a document
+
+    @jax.jit
+    def packed(x):
+        out = layer(x, batch["positions"], segment_ids=batch["segment_ids"])[0]
+        return out, jnp.sum(out * r_packed)
+
+    @jax.jit
+    def run_alone(x):
+        t = x.shape[1]
+        out = layer(x, jnp.broadcast_to(jnp.arange(t), x.shape[:2]))[0]
+        return out, jnp.sum(out * r_alone)
+
+    out_p, dx_p = packed(x_packed)[0], jax.grad(lambda x: packed(x)[1])(x_packed)
+    out_a, dx_a = run_alone(x_alone)[0], jax.grad(lambda x: run_alone(x)[1])(x_alone)
+    n = 0
+    for row, docs in enumerate(docs_per_row):
+        for doc, span in zip(docs, spans(docs)):
+            np.testing.assert_allclose(out_p[row, span], out_a[n, : len(doc)], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(dx_p[row, span], dx_a[n, : len(doc)], rtol=2e-5, atol=2e-5)
+            n += 1
+
+
 def alone_batch(docs_per_row):
     """The documents run alone as a training batch: each row one document (right-padded), its L−1 in-document next
     tokens as targets (mask 0 on its last token and on the padding)."""
