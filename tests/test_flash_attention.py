@@ -283,7 +283,7 @@ def test_mosaic_lowering_on_tpu():
 PACKED_T = 80
 PACKED_DOCS = [[11, 37, 1, 19], [30, 1, 49]]
 PACKED_BLOCKS = {"reference": None, "xla": SMALL, "pallas_gpu": SMALL, "pallas_tpu": SMALL_TPU}
-PACKED_IMPLS = ["reference", "xla", "pallas_gpu"]
+PACKED_IMPLS = list(PACKED_BLOCKS)
 
 
 def _packed_ids(docs, t):
@@ -393,7 +393,7 @@ def test_reference_segment_mask_matches_jax_nn():
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_unsorted_segment_ids_match_masked_reference(impl, causal):
     """Interleaved ids (every tile holds several segments, and a segment recurs in distant tiles): tile skipping by
     [min, max] ranges must not drop a visible pair; results equal the masked reference, gradients included."""
@@ -423,7 +423,7 @@ def test_segment_tile_spans_by_hand():
     assert not np.any(k_lo) and not np.any(k_hi) and not np.any(q_lo) and not np.any(q_hi)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_one_segment_equals_no_segments(impl):
     """A row that is one document (all ids equal) gives the unsegmented results: the segment path changes the mask
     only, not the arithmetic."""
