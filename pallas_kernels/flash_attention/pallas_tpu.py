@@ -11,7 +11,7 @@ lives in VMEM scratch across its steps (inputs are [B, H, T, D] so a tile's last
 Causal tiles above the diagonal are skipped with `pl.when`, and their index maps are clamped to the
 last needed tile so the pipeline does not even fetch them (an unchanged block index is not re-copied).
 
-Segment ids (packed documents) arrive as [B, T, 1] query tiles and [B, 1, S] key tiles (the mask is their
+Segment ids (packed documents) arrive as (bq, 1) query tiles and (1, bk) key tiles (the mask is their
 broadcast comparison, (bq, 1) == (1, bk)), plus six int32 vectors of scalar prefetch (SMEM) computed by XLA
 before the call: each query tile's and key tile's [min, max] id and, per program tile, the span of tiles of the
 other side whose ranges meet it (_common.segment_tile_spans). A grid step runs only if its tile pair's ranges
@@ -77,11 +77,13 @@ class _Segments:
 
 
 def _segment_prefetch(q_seg, kv_seg, *, bq, bk, tp, sp, per_query_tile: bool):
-    """The six scalar-prefetch vectors of _Segments and the padded id operands ([B, tp, 1] and [B, 1, sp])."""
+    """The six scalar-prefetch vectors of _Segments and the padded id operands: [B, tp, 1], and [B, sp/bk, 1, bk] so
+    that a key tile's (1, bk) block spans its array's last two dims whatever bk is (Mosaic's block rule)."""
     (q_min, q_max), (k_min, k_max) = segment_tile_ranges(q_seg, bq, tp), segment_tile_ranges(kv_seg, bk, sp)
     spans = segment_tile_spans(q_seg, kv_seg, bq=bq, bk=bk, tp=tp, sp=sp)[0 if per_query_tile else 1]
     prefetch = [x.reshape(-1) for x in (q_min, q_max, k_min, k_max, *spans)]
-    return prefetch, [pad_axis(q_seg, 1, tp)[:, :, None], pad_axis(kv_seg, 1, sp)[:, None, :]]
+    kv_ids = pad_axis(kv_seg, 1, sp).reshape(kv_seg.shape[0], sp // bk, 1, bk)
+    return prefetch, [pad_axis(q_seg, 1, tp)[:, :, None], kv_ids]
 
 
 def _split_refs(refs, n_in, segmented):
@@ -245,7 +247,7 @@ def _forward(q, k, v, q_seg, kv_seg, cfg):
         operands += ids
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda b_, h, i, j, *pf: (b_, i, 0)),
-            pl.BlockSpec((None, 1, bk), lambda b_, h, i, j, *pf: (b_, 0, kv_tile(b_, i, j, pf))),
+            pl.BlockSpec((None, None, 1, bk), lambda b_, h, i, j, *pf: (b_, kv_tile(b_, i, j, pf), 0, 0)),
         ]
     kernel = functools.partial(
         _fwd_kernel,
@@ -311,7 +313,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, cfg):
         operands += ids
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda b_, h, i, j, *pf: (b_, i, 0)),
-            pl.BlockSpec((None, 1, bk), lambda b_, h, i, j, *pf: (b_, 0, kv_tile(b_, i, j, pf))),
+            pl.BlockSpec((None, None, 1, bk), lambda b_, h, i, j, *pf: (b_, kv_tile(b_, i, j, pf), 0, 0)),
         ]
     dq = _pallas_call(
         functools.partial(_dq_kernel, bq=bq, bk=bk, nq=nq, nk=nk, **common),
@@ -352,7 +354,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, cfg):
         operands += ids
         in_specs += [
             pl.BlockSpec((None, bq, 1), lambda b_, h, j, g, i, *pf: (b_, q_tile(b_, j, i, pf), 0)),
-            pl.BlockSpec((None, 1, bk), lambda b_, h, j, g, i, *pf: (b_, 0, j)),
+            pl.BlockSpec((None, None, 1, bk), lambda b_, h, j, g, i, *pf: (b_, j, 0, 0)),
         ]
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, bq=bq, bk=bk, nq=nq, nk=nk, groups=groups, **common),
