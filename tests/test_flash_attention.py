@@ -3,7 +3,8 @@
 What this proves on a CPU: the blockwise XLA path and the Pallas kernels (run with interpret=True, i.e.
 the kernel bodies, grids, index maps, loop bounds and masks exactly as written, executed by XLA) agree
 with the materialising fp32 reference and with jax.nn.dot_product_attention, forward and gradients,
-for GQA, causal offsets and lengths that are not tile multiples. It does NOT prove that the kernels
+for GQA, causal offsets and lengths that are not tile multiples, and with segment ids (packed documents) give each
+document the results of running it alone. It does NOT prove that the kernels
 lower through Triton / Mosaic: the lowering tests at the end run only on a GPU / TPU.
 """
 
