@@ -11,10 +11,16 @@
    (``jax.nn.dot_product_attention(..., implementation="cudnn")``), XLA's dense attention (the same call with
    ``implementation="xla"``; only up to T = 8K since it materialises the B·H·T² scores) and this package's
    blockwise XLA path (``implementation="xla"``).
+3. Packed documents (segment ids), checked in --quick and full: output and gradients with the ids of documents of
+   ragged lengths against ``attention_reference`` given the same ids. Timed in every mode, before the rows of 2:
+   one row (D = 128, T = 8K; the dry run at its tiny shape), documents of ~500 tokens, Pallas with the ids
+   ("pallas", pass "fwd packed" / "fwd+bwd packed") against Pallas on the same tensors without them
+   ("pallas_unmasked", one causal sequence): the ratio is the effect of skipping the tiles of other documents.
+   Its TFLOP/s count only the visible pairs, Σ over documents of the causal FLOPs above at T = the document's length.
    FLOPs: the causal forward is 2·2·B·H·T²·D/2 (q·kᵀ and p·v, 2·T²·D each, half of the pairs masked); the backward
    is 2.5x the forward (five matmuls: the scores recomputed, dv, dp, dq, dk), so forward+backward is 3.5x.
 Rows run most important first (D = 128 at 8K) and are skipped with a note once the time budget is spent.
-Imports only jax, numpy and this checkout's pallas_kernels.
+Imports only jax, numpy, this checkout's pallas_kernels and bench/bench_segments.py (the document packer).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _gpu_check import Budget, Report, budgeted_rows, first_line, run_script, time_variants  # noqa: E402
+from bench_segments import packed_segment_ids  # noqa: E402
 
 from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention  # noqa: E402
 
@@ -59,6 +66,14 @@ CASES = {
         (1, 33, 70, 4, 1, 32, False, None),
     ],
 }
+# Packed documents, (B, T, S, Hq, Hkv, D, causal, mean document length): checked against the reference with the ids.
+SEGMENT_CASES = {
+    "full": [(2, 1000, 1000, 8, 2, 128, True, 150), (1, 777, 777, 16, 4, 64, False, 100)],
+    "quick": [(2, 1000, 1000, 8, 2, 128, True, 150)],
+    "dry-run": [],
+}
+# The packed-documents timing row: (D, T, mean document length).
+PACKED_ROW = {"full": (128, 8192, 500), "quick": (128, 8192, 500), "dry-run": (16, 64, 16)}
 # (D, T), most important first: the budget drops the tail.
 ROWS = {
     "full": [(128, 8192), (64, 8192), (128, 32768), (64, 32768), (128, 4096), (64, 4096), (128, 16384), (64, 16384)],
@@ -84,10 +99,10 @@ def _fwd_and_grads(attn, q, k, v, do):
 
 
 @cache
-def jitted(impl: str, causal: bool = True, q_offset: int | None = None):
+def jitted(impl: str, causal: bool = True, q_offset: int | None = None, segmented: bool = False):
     """(forward, forward+gradients) of one implementation, jitted once so checks and benchmark rows share
     compilations. impl: "reference", "pallas" or "xla" (flash_attention) or "cudnn", "xla_dense"
-    (jax.nn.dot_product_attention, causal only)."""
+    (jax.nn.dot_product_attention, causal only). segmented: both take the segment ids [B, T] as a last argument."""
     if impl in ("cudnn", "xla_dense"):
         dense = "xla" if impl == "xla_dense" else impl
         attn = partial(jax.nn.dot_product_attention, is_causal=causal, implementation=dense)
@@ -95,14 +110,32 @@ def jitted(impl: str, causal: bool = True, q_offset: int | None = None):
         attn = partial(attention_reference, causal=causal, q_offset=q_offset)
     else:
         attn = partial(flash_attention, causal=causal, q_offset=q_offset, implementation=impl)
-    return jax.jit(attn), jax.jit(partial(_fwd_and_grads, attn))
+    if not segmented:
+        return jax.jit(attn), jax.jit(partial(_fwd_and_grads, attn))
+
+    def fwd(q, k, v, ids):
+        return attn(q, k, v, segment_ids=ids)
+
+    def fwd_bwd(q, k, v, do, ids):
+        return _fwd_and_grads(partial(attn, segment_ids=ids), q, k, v, do)
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def run_checks(report: Report, budget: Budget, cases) -> None:
-    for seed, (b, t, s, hq, hkv, d, causal, q_offset) in enumerate(cases):
+def run_checks(report: Report, budget: Budget, cases, segment_cases=()) -> None:
+    cases = [(*c, None) for c in cases] + [
+        (b, t, s, hq, hkv, d, c, None, n) for b, t, s, hq, hkv, d, c, n in segment_cases
+    ]
+    for seed, (b, t, s, hq, hkv, d, causal, q_offset, doc_len) in enumerate(cases):
         case = f"B={b} T={t} S={s} Hq={hq} Hkv={hkv} D={d} {'causal' if causal else 'non-causal'}"
         case += f" q_offset={q_offset}" if q_offset is not None else ""
-        reference, pallas = jitted("reference", causal, q_offset)[1], jitted("pallas", causal, q_offset)[1]
+        segmented = doc_len is not None
+        reference = jitted("reference", causal, q_offset, segmented)[1]
+        pallas = jitted("pallas", causal, q_offset, segmented)[1]
+        if segmented:
+            ids = jnp.asarray(packed_segment_ids(b, t, doc_len, seed=seed))
+            case += f" packed {int(ids.max())} docs of ~{doc_len}"
+            reference, pallas = partial(reference, ids=ids), partial(pallas, ids=ids)
         x32 = _inputs(seed, b, t, s, hq, hkv, d, F32)
         for dtype in (F32, BF16):
             name = jnp.dtype(dtype).name
@@ -116,6 +149,32 @@ def run_checks(report: Report, budget: Budget, cases) -> None:
                 report.check(case, name, NAMES, got, oracle, reference(*x) if dtype == BF16 else None)
             except Exception as e:  # lowering / Triton compile / runtime error: a failed check, the others go on
                 report.check_error(case, name, e)
+
+
+def run_packed_bench(report: Report, budget: Budget, mode: str) -> None:
+    """Pallas with the segment ids of ~500-token documents vs Pallas without them, same tensors (item 3 above)."""
+    d, t, doc_len = PACKED_ROW[mode]
+    if mode != "dry-run" and not budget.allows(30):
+        report.note(f"packed-documents row skipped: time budget spent ({budget.left():.0f} s left)")
+        return
+    b, heads = max(1, TOKENS[mode] // t), HEADS[mode]
+    q, k, v, do = _inputs(2, b, t, t, heads, heads, d, BF16)
+    ids = packed_segment_ids(b, t, doc_len)
+    lengths = np.concatenate([np.bincount(row)[1:] for row in ids])
+    flops_fwd = float(np.sum(2 * 2 * heads * lengths.astype(np.float64) ** 2 * d / 2))
+    ids = jnp.asarray(ids)
+    packed, unmasked = jitted("pallas", True, None, True), jitted("pallas", True, None)
+    for direction, flops in (("fwd packed", flops_fwd), ("fwd+bwd packed", 3.5 * flops_fwd)):
+        if direction == "fwd packed":
+            fns = {"pallas": partial(packed[0], q, k, v, ids), "pallas_unmasked": partial(unmasked[0], q, k, v)}
+        else:
+            fns = {"pallas": partial(packed[1], q, k, v, do, ids), "pallas_unmasked": partial(unmasked[1], q, k, v, do)}
+        row = dict(D=d, T=t, B=b, H=heads, direction=direction)
+        time_variants(report, fns, flops=flops, row=row, repeats=REPEATS[mode], seconds=SECONDS_PER_TIMING[mode])
+    report.note(
+        f"packed rows: {len(lengths)} documents of ~{doc_len} tokens per {t}; pallas vs pallas_unmasked = the time "
+        "without segment ids / with them (the tiles of other documents skipped); TFLOP/s of visible pairs only"
+    )
 
 
 def run_bench(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
@@ -143,7 +202,10 @@ def steps(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
         report.info["pallas blocks"] = str(BlockSizes.default("gpu"))
     except Exception as e:
         report.info["pallas blocks"] = f"unknown ({first_line(e)})"
-    run_checks(report, budget, CASES[mode])
+    run_checks(report, budget, CASES[mode], SEGMENT_CASES[mode])
+    # The packed row first: its implementations then lead the table's columns, and every row of run_bench keeps
+    # its ratio against the last peer in the last column.
+    run_packed_bench(report, budget, mode)
     run_bench(report, budget, mode, on_gpu)
 
 

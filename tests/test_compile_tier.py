@@ -203,3 +203,50 @@ def test_flash_attention_tpu_kernels_lower_for_tpu(d, groups, causal, dtype):
 
     text = cc.lower_for_tpu(sharded, q, kv, kv, mesh_axes={"data": 2, "heads": 4}, in_specs=spec)
     assert text.count("tpu_custom_call") >= 3
+
+
+@pytest.mark.parametrize("causal,kv_len,block_k", [(False, 300, None), (True, 1024, None), (True, 1024, 136)])
+def test_flash_attention_tpu_kernels_with_segment_ids_lower_for_tpu(causal, kv_len, block_k):
+    """With segment ids (scalar prefetch of the tile id ranges and spans, id tiles of (bq, 1) and (1, bk)) forward and
+    backward lower for a TPU v5p: keys covered by one tile (S = 300), split into the default 512-wide tiles and into
+    136-wide ones (no multiple of 128: the key ids' block must still pass Mosaic's block rule), queries continuing a
+    cached prefix through kv_segment_ids (S = 1024); on one chip and inside shard_map."""
+    blocks = None
+    if block_k is not None:
+        blocks = BlockSizes(block_k=block_k, block_k_dq=block_k, block_k_dkv=block_k, block_q_dq=256, block_q_dkv=256)
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, kv_len, 4, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    kv_ids = jax.ShapeDtypeStruct((2, kv_len), jnp.int32)
+
+    def grad(q, k, v, ids, kv_ids):
+        def loss(q, k, v):
+            o = flash_attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=ids,
+                kv_segment_ids=kv_ids,
+                implementation="pallas_tpu",
+                block_sizes=blocks,
+            )
+            return jnp.sum(o.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = cc.lower_for_tpu(grad, q, kv, kv, ids, kv_ids)
+    assert text.count("tpu_custom_call") >= 3
+
+    spec, id_spec = P("data", None, "heads", None), P("data", None)
+
+    def sharded(q, k, v, ids, kv_ids):
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(
+            grad, mesh=mesh, in_specs=(spec,) * 3 + (id_spec,) * 2, out_specs=(spec,) * 3, check_vma=False
+        )(q, k, v, ids, kv_ids)
+
+    text = cc.lower_for_tpu(
+        sharded, q, kv, kv, ids, kv_ids, mesh_axes={"data": 2, "heads": 4}, in_specs=(spec,) * 3 + (id_spec,) * 2
+    )
+    assert text.count("tpu_custom_call") >= 3
