@@ -22,6 +22,7 @@ SCRIPTS = {
     "gated_delta": "bench_gated_delta.py",
     "decode": "bench_decode.py",
     "train_step": "bench_train_step.py",
+    "segments": "bench_segments.py",
 }
 
 

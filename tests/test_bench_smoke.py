@@ -73,6 +73,15 @@ def test_train_step_quick(capsys):
     assert all(v > 0 for v in tps.values())
 
 
+def test_segments_quick(capsys):
+    import bench_segments
+
+    ratios = bench_segments.main(["--quick"])
+    assert set(ratios) == {("forward", 512), ("fwd+bwd", 512)}
+    assert len(_table_rows(capsys.readouterr().out, "T")) == 2
+    assert all(r > 0 for ratio in ratios.values() for r in ratio.values())
+
+
 def test_gated_delta_quick_via_run_all():
     # Through run_all (a subprocess per script), so the runner itself is exercised too.
     proc = subprocess.run(
