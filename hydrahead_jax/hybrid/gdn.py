@@ -41,10 +41,6 @@ from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
 BT = ("batch", None)  # per-token ids [B, T] (segment ids), in kernel_call's layout names
-# The chunked rule runs over blocks of this many tokens (rounded down to whole chunks), the state handed from one to
-# the next: its backward temporaries (~12 fp32 [T, H, 64]-sized arrays) then scale with the block instead of T.
-# Smaller blocks save little more (bench/RESULTS.md, "Gated DeltaNet heads: memory").
-RULE_BLOCK_TOKENS = 1024
 DT_MIN, DT_MAX = 1e-3, 1e-1
 SILU_INV_ONE = 1.2784645427610738  # z with silu(z) = z·sigmoid(z) = 1
 
@@ -308,35 +304,21 @@ class GatedDeltaNetHeads(nnx.Module):
         else:
             chunked = functools.partial(
                 chunk_gated_delta_rule,
+                output_final_state=cache is not None,
                 use_qk_l2norm=True,
                 chunk_size=hc.gdn_chunk_size,
                 implementation=hc.gdn_implementation,
             )
-            block = max(1, RULE_BLOCK_TOKENS // hc.gdn_chunk_size) * hc.gdn_chunk_size
-
-            def rule_block(q, k, v, g, beta, state, segment_ids, *, final_state):
-                # PENDING(issue #15 item 2): once chunk_gated_delta_rule takes segment ids, this call gets
-                # `segment_ids=segment_ids` (the only change needed); until then the state runs across documents.
-                return chunked(q, k, v, g, beta, initial_state=state, output_final_state=final_state)
+            initial_state = None if cache is None else cache["gdn_state"]
 
             def rule(q, k, v, g, beta, state, segment_ids):
-                # Blocks of `block` tokens in sequence, the state handed from one to the next (exactly the rule
-                # over the whole row: blocks hold whole chunks). Each block's backward is its own, after its
-                # cotangent: the rule's backward temporaries then scale with the block, not with T.
-                t, outs = q.shape[1], []
-                for start in range(0, t, block):
-                    part = [a if a is None else a[:, start : start + block] for a in (q, k, v, g, beta, segment_ids)]
-                    last = start + block >= t
-                    final_state = cache is not None or not last
-                    fn = backward_after_cotangent(functools.partial(rule_block, final_state=final_state))
-                    o, state = fn(*part[:5], state, part[5])
-                    outs.append(o)
-                return (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]), state
+                # PENDING(issue #15 item 2): once chunk_gated_delta_rule takes segment ids, this call gets
+                # `segment_ids=segment_ids` (the only change needed); until then the state runs across documents.
+                return chunked(q, k, v, g, beta, initial_state=state)
 
-            initial_state = None if cache is None else cache["gdn_state"]
             with jax.named_scope("gdn_rule"):
                 o, state = kernel_call(
-                    rule,
+                    backward_after_cotangent(rule),
                     *(q, k, v, g, beta, initial_state, segment_ids),
                     in_axes=(
                         BTHD,
