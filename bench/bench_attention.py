@@ -20,7 +20,8 @@ Variants reported (cost per layer, averaged over the model's L-layer attention s
   layer-wise r    every p-th layer all-FA (HeadMap.layerwise: 3:1 → p = 4, 7:1 → p = 8, ending at the last
                   layer), the rest all-LA: (n_FA·t(teacher) + (L − n_FA)·t(all-LA)) / L.
 Time is the median of interleaved repetitions (bench/_common.py); memory is the compiled executable's
-argument + output + temp bytes (XLA memory_analysis), deterministic and available without running. For the
+argument + output + temp bytes (XLA memory_analysis), deterministic and available without running; in fwd+bwd
+the cotangent dy reaches the backward only once the block's output exists, as in a training step. For the
 stack variants the memory column is the same per-layer average (what one layer of the stack holds on average).
 Every ratio is teacher / variant (> 1: the variant is faster / smaller) from numbers measured in this run.
 
@@ -137,9 +138,16 @@ def build_fns(block: Attention, T: int, mode: str):
         return jax.jit(fwd), (state, x)
     dy = jax.random.normal(kd, (1, T, d), jnp.float32)
 
+    def loss(state, x, dy):
+        # The barrier hands dy to the backward only once the block's output exists, as in a training step (where a
+        # layer's cotangent comes back through every later layer): with dy a free argument, XLA would start the
+        # backward's dy-only work (dy · W_oᵀ, its transposes) before the forward and hold it through the forward.
+        y, dy = jax.lax.optimization_barrier((fwd(state, x), dy))
+        return jnp.vdot(y, dy)
+
     def fwdbwd(state, x, dy):
         # Gradients w.r.t. every parameter and the input, for the cotangent dy: one training step's attention work.
-        return jax.grad(lambda s, x: jnp.vdot(fwd(s, x), dy), argnums=(0, 1))(state, x)
+        return jax.grad(loss, argnums=(0, 1))(state, x, dy)
 
     return jax.jit(fwdbwd), (state, x, dy)
 
