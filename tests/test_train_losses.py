@@ -149,10 +149,13 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
     temp = [
         f.lower(params, frozen, t_state, batch).compile().memory_analysis().temp_size_in_bytes for f in (plain, remat)
     ]
-    # Stages 2-3 chain the layers, so the backward holds one layer's intermediates at a time (measured 0.57x and
-    # 0.44x here). Stage 1's per-layer losses are independent of each other, and XLA is free to schedule their
-    # recomputations together: a smaller saving (0.88x here), but still one.
-    assert temp[1] < (1.0 if kind == "align" else 0.7) * temp[0], temp
+    # Stages 2-3 chain the layers, so the backward holds one layer's intermediates at a time. Measured here: distil
+    # 0.82x, long 0.57x (28.8 and 19.5 MB against 34.9 and 34.2 MB). The plain step's GDN heads already keep little
+    # for their backward (hybrid/gdn.py; it was 44.4 MB before that, 0.65x and 0.47x), and what remat cannot remove
+    # is mostly the teacher pass and the loss tiles, hence the smaller relative saving. Stage 1's per-layer losses
+    # are independent of each other, and XLA is free to schedule their recomputations together: a smaller saving
+    # (0.88x here), but still one.
+    assert temp[1] < {"align": 1.0, "distil": 0.9, "long": 0.7}[kind] * temp[0], temp
 
 
 def test_remat_refuses_cache_and_intermediates():
