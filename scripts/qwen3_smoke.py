@@ -27,8 +27,9 @@ Status and cost (2026-11-30, shared 2-core, 23 GB machine): PASS in 314 s — in
 824 MB), selection ~80 s, then stage 1 (losses 0.568, 0.555; compiled peak 1.66 GiB per device), stage 2 (0.669,
 0.672; 9.19 GiB) and stage 3 (12.50, 12.48; 9.77 GiB), and ``final/`` loads with bf16 parameters. Stages 2-3 train
 all 0.41 B parameters (0.31 B of them the 151,936 × 2048 tied embedding) with f32 master weights and AdamW moments;
-train.py reached 13.7 GB RSS: give it 16 GB free (an earlier attempt was OOM-killed in stage 3 while other jobs held
-~13 GB). A killed or interrupted smoke run resumes: rerun the same command (the inputs are reused and train.py
+the whole run peaked at 16.7 GB RSS (GNU time, a rerun with packed-document masking: same stage 1-2 losses, stage 3
+12.50, 12.46; 17 min on the then heavily loaded machine): give it ~18 GB free (an earlier attempt was OOM-killed in
+stage 3 while other jobs held ~13 GB). A killed or interrupted smoke run resumes: rerun the same command (the inputs are reused and train.py
 continues).
 """
 
