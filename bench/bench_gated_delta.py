@@ -3,6 +3,7 @@
     python bench/bench_gated_delta.py                    # T = 1K, 4K, 8K, 16K; B=1, H=16, K=V=128; fwd and fwd+bwd
     python bench/bench_gated_delta.py --heads 8 --dim 64
     python bench/bench_gated_delta.py --quick            # smoke run
+    python bench/bench_gated_delta.py --segments --heads 8 --dim 64   # packed documents: T = 8K with/without ids
 
 Both sides get identical fp32 inputs (q, k, v ~ N(0,1), g = −softplus-like log decays in [−0.4, 0], β = sigmoid
 of N(0,1)), chunk 64, q/k L2-normalised inside the rule, no initial state, final state returned. Before timing,
@@ -15,6 +16,11 @@ interleaved repeats after a warm-up (bench/_common.py), each run's median, then 
 ``torch.set_num_threads(n)`` with n = the number of cores, the thread count of JAX's CPU client.
 Memory: the compiled fwd+bwd temporaries of our rule (XLA memory_analysis, deterministic) in MiB and in units of one
 fp32 [B,T,H,K] input, the size the custom_vjp's saved chunk states take at C = K.
+
+``--segments`` (packed documents, issue #15): our XLA rule alone on the same inputs, once without segment ids and
+once with the ids of documents of about ``--doc-len`` tokens (bench_segments.packed_segment_ids: lengths uniform in
+[doc_len/2, 3·doc_len/2]), at T = 8K unless ``--seq`` is given; timing as above, the ratio is (time without ids) /
+(time with ids), so < 1 is the price of the document masks (the chunked rule does the same work either way).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_segments import packed_segment_ids  # noqa: E402
 
 from pallas_kernels.gated_delta import chunk_gated_delta_rule  # noqa: E402
 
@@ -48,12 +55,22 @@ def make_inputs(T: int, B: int, H: int, K: int, V: int, seed: int = 0):
     return q, k, v, g, beta, do
 
 
-def jax_fns(inputs, chunk: int):
+def jax_fns(inputs, chunk: int, segment_ids=None):
     q, k, v, g, beta, do = map(jnp.asarray, inputs)
+    ids = None if segment_ids is None else jnp.asarray(segment_ids)
 
     def rule(q, k, v, g, beta):
         return chunk_gated_delta_rule(
-            q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk, implementation="xla"
+            q,
+            k,
+            v,
+            g,
+            beta,
+            output_final_state=True,
+            use_qk_l2norm=True,
+            chunk_size=chunk,
+            segment_ids=ids,
+            implementation="xla",
         )
 
     fwd = jax.jit(rule)
@@ -109,9 +126,43 @@ def check_agreement(inputs, chunk: int):
     return d_o, d_s
 
 
+def segments_main(args):
+    """``--segments``: the XLA rule with packed-document segment ids vs the same inputs without ids."""
+    B, H, D = args.batch, args.heads, args.dim
+    rows, ratios = [], {}
+    for T in args.seq:
+        inputs = make_inputs(T, B, H, D, D)
+        ids = packed_segment_ids(B, T, args.doc_len)
+        docs = len(np.unique(ids[0]))
+        plain, packed = jax_fns(inputs, args.chunk), jax_fns(inputs, args.chunk, ids)
+        for mode in args.modes:
+            pick = 0 if mode == "fwd" else 1
+            fns = {"no ids": plain[pick], "packed": packed[pick]}
+            runs = [C.time_interleaved(fns, args.repeats, budget_s=args.budget_s) for _ in range(args.runs)]
+            t = {name: min(r[name] for r in runs) for name in fns}
+            r = t["no ids"] / t["packed"]
+            ratios[(mode, T)] = r
+            name = "forward" if mode == "fwd" else "fwd+bwd"
+            rows.append([T, docs, name, C.fmt_s(t["no ids"]), C.fmt_s(t["packed"]), C.fmt_ratio(r)])
+            print(f"  T={T} {mode}: no ids {C.fmt_s(t['no ids'])}, packed {C.fmt_s(t['packed'])}, ratio {r:.2f}x")
+    table = C.markdown_table(["T", "documents", "pass", "no ids", "packed", "no ids / packed"], rows)
+    settings = (
+        f"chunk_gated_delta_rule implementation='xla', B={B}, H={H}, K=V={D}, chunk {args.chunk}, fp32, q/k L2-norm, "
+        f"documents of ~{args.doc_len} tokens (uniform in [{args.doc_len // 2}, {3 * args.doc_len // 2}]), median of "
+        f"{args.repeats} interleaved repeats, min over {args.runs} runs"
+    )
+    C.append_results(
+        "Packed documents (segment ids): gated delta rule XLA path (bench_gated_delta.py --segments)",
+        table + "\n",
+        settings=settings,
+        record=not args.no_record,
+    )
+    return ratios
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--seq", type=int, nargs="+", default=None, help="default 1K 4K 8K 16K; 8K with --segments")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
@@ -128,9 +179,16 @@ def main(argv=None):
     )
     ap.add_argument("--quick", action="store_true", help="smoke settings: T 256, H 2, dim 32, 1 repeat, no record")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--segments", action="store_true", help="time packed documents (segment ids) against no ids")
+    ap.add_argument("--doc-len", type=int, default=500, help="mean document length of --segments")
     args = ap.parse_args(argv)
+    if args.seq is None:
+        args.seq = [8192] if args.segments else [1024, 4096, 8192, 16384]
     if args.quick:
         args.seq, args.heads, args.dim, args.repeats, args.runs, args.no_record = [256], 2, 32, 1, 1, True
+        args.doc_len = min(args.doc_len, 64)
+    if args.segments:
+        return segments_main(args)
 
     import torch
 

@@ -3,9 +3,12 @@
 The math is chunk_math's (WY prologue, chunk functions, `make_rule`'s custom_vjp); here the recurrence runs as
 batched XLA:
 
-- forward: a loop over chunks carries only the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ (U − W S_n),
-  and emits each chunk's start state S_n and new values ν_n; the outputs O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n are
-  then one batched product over all chunks (half the work per sequential step, forward and backward).
+- forward: the chunk-parallel parts ((q kᵀ) ⊙ D, q e^G, k e^{G_C − G}) are batched over all chunks first; a loop
+  over chunks then carries the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ ν_n with ν_n = U − W S_n, stores
+  each chunk's start state S_n (the backward's residual) and writes O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n while
+  S_n and ν_n are at hand. Why the output is not one batched product after the loop: that stores ν for every
+  chunk and reads it and all S_n back (a [B,H,N,K,V] array is 2x the input at K = V = 2C), and on the
+  memory-bound CPU those passes cost more than the smaller per-step products (bench/RESULTS.md, "XLA forward").
 - backward: only the dS recurrence is sequential,
       dν_n = ((q kᵀ) ⊙ D)ᵀ dO_n + (k e^{G_C − G}) dS_{n+1},   dS_n = (q e^G)ᵀ dO_n + e^{G_C} dS_{n+1} − W_nᵀ dν_n,
   a reverse loop whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
@@ -76,17 +79,17 @@ def fwd_call(q, k, w, u, g, doc, s0, *, prec, chunk_size):
     kd = kc * write  # writes, decayed to the chunk end
 
     def body(n, carry):
-        s, s_start, vn = carry
-        kd_n, w_n, u_n, gam_n = (_at(x, n) for x in (kd, wc, uc, gam))
+        s, s_start, o = carry
+        qd_n, scores_n, kd_n, w_n, u_n, gam_n = (_at(x, n) for x in (qd, scores, kd, wc, uc, gam))
         vn_n = u_n - _mm("bhck,bhkv->bhcv", w_n, s, prec)
-        s_start, vn = _put(s_start, s, n), _put(vn, vn_n, n)
-        return gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn_n, prec), s_start, vn
+        o_n = _mm("bhck,bhkv->bhcv", qd_n, s, prec) + _mm("bhij,bhjv->bhiv", scores_n, vn_n, prec)
+        s_start, o = _put(s_start, s, n), _put(o, o_n, n)
+        return gam_n * s + _mm("bhck,bhcv->bhkv", kd_n, vn_n, prec), s_start, o
 
     N = Tp // C
-    s, s_start, vn = jax.lax.fori_loop(
+    s, s_start, o = jax.lax.fori_loop(
         0, N, body, (s0, jnp.zeros((B, H, N, K, V), _F32), jnp.zeros((B, H, N, C, V), _F32))
     )
-    o = _mm("bhnck,bhnkv->bhncv", qd, s_start, prec) + _mm("bhnij,bhnjv->bhniv", scores, vn, prec)
     return o.reshape(B, H, Tp, V), s, s_start
 
 
