@@ -217,7 +217,7 @@ def _train(
         params, frozen = _split(student_graphdef, full, spec.trainable, layout)
         opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
     # The full state is now held as (params in the master dtype, frozen): drop it, so a model-sized copy does not
-    # stay alive through the whole stage (the previous stage's state, for a fresh stage; see pipeline.run_stages).
+    # stay alive through the whole stage (the previous stage's state, for a fresh stage: the pipeline hands it over).
     del full, restored
     state = {
         "params": params,
