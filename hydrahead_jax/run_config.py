@@ -75,21 +75,26 @@ def _require(ok: bool, section: str, field: str, value: Any, rule: str, fix: str
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axes (data, fsdp, tensor); one of them may be -1: every device the others leave."""
+    """Device mesh axes (data, fsdp, sequence, tensor); one of them may be -1: every device the others leave.
+
+    ``sequence`` > 1 is context parallelism: each row's tokens are split over that many devices (the sequence
+    length must then be a multiple of 2 × sequence: the load-balanced zig-zag order gives every device two chunks).
+    """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    sequence: int = 1
 
     def __post_init__(self):
-        for name in ("data", "fsdp", "tensor"):
+        for name in ("data", "fsdp", "tensor", "sequence"):
             value = getattr(self, name)
             _require(value == -1 or value >= 1, "mesh", name, value, "must be -1 (fill) or >= 1", "1")
         _require(self.sizes.count(-1) <= 1, "mesh", "data", self.data, "only one mesh axis may be -1 (fill)", "-1")
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.sequence)
 
     def check_devices(self, num_devices: int) -> None:
         """Refuse, in one line, a mesh this machine cannot build (before the teacher is loaded)."""
@@ -97,10 +102,12 @@ class MeshConfig:
         fill = -1 in self.sizes
         if (num_devices % fixed) if fill else (num_devices != fixed):
             shape = f"data={self.data} x fsdp={self.fsdp} x tensor={self.tensor}"
+            shape += f" x sequence={self.sequence}" if self.sequence != 1 else ""
             raise ConfigError(
                 f"config.mesh ({shape}) needs {'a multiple of ' if fill else ''}{fixed} devices, but "
                 f"{num_devices} are visible. Fix: on this machine pass --config.mesh.fsdp=1 --config.mesh.tensor=1 "
-                "(or sizes whose product divides the device count); the recipe's mesh is meant for its cluster."
+                "--config.mesh.sequence=1 (or sizes whose product divides the device count); the recipe's mesh is "
+                "meant for its cluster."
             )
 
 

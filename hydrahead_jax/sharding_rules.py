@@ -6,19 +6,22 @@ kernels inside ``jax.shard_map`` over the axes it gives "batch" and "heads". It 
 the model (which must not import ``training``) and the trainer read the same rules.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters sharded over it, ZeRO-3 style),
-``tensor`` (Megatron-style model parallel over heads / MLP width / vocabulary).
+``sequence`` (context parallelism: the length dimension of activations is split over it; the attention kernels then
+run their context-parallel forms, ``hydrahead_jax.context_parallel``), ``tensor`` (Megatron-style model parallel over
+heads / MLP width / vocabulary). Parameters never carry the logical name "sequence": they are replicated over that
+axis (split over ``fsdp`` when it is there).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # tensor innermost: its collectives are the most frequent
 
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated). Keep this the only such table.
 LOGICAL_AXIS_RULES: dict[str, Any] = {
     "batch": ("data", "fsdp"),
-    "sequence": None,
+    "sequence": "sequence",  # the length dimension of activations (tokens)
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",

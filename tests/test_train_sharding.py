@@ -12,7 +12,7 @@ from hydrahead_jax.training import sharding as shd
 def test_mesh_2x2x2_matches_one_device(tmp_path):
     one = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     cube = shd.make_mesh(2, 2, 2)
-    assert dict(cube.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(cube.shape) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
     losses_one, _ = run_tiny_distil(tmp_path / "one", one)
     losses_cube, final = run_tiny_distil(tmp_path / "cube", cube)
     assert len(losses_one) == len(losses_cube) == 5
@@ -44,4 +44,5 @@ def test_rules_replicate_indivisible_dims_and_refuse_unknown_names():
         shd.logical_to_spec(("nonsense",), (4,), mesh)
     with pytest.raises(shd.ShardingError, match="needs 6 devices"):
         shd.make_mesh(1, 2, 3)
-    assert dict(shd.make_mesh(-1, 2, 1).shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert dict(shd.make_mesh(-1, 2, 1).shape) == {"data": 4, "fsdp": 2, "sequence": 1, "tensor": 1}
+    assert dict(shd.make_mesh(2, 1, 1, sequence=-1).shape) == {"data": 2, "fsdp": 1, "sequence": 4, "tensor": 1}

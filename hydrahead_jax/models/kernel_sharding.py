@@ -27,6 +27,12 @@ tensor), restricted to the axes of the ambient mesh. The mesh is the one the cal
 
 The XLA implementations are wrapped too: the same code path for every backend, and no reliance on the partitioner
 for chunked scans.
+
+Context parallelism: a layout that names the time dimension ``"sequence"`` (``BSHD``, ``BSH``, ``BS``) splits it
+over the mesh axes of the logical name "sequence" (the ``sequence`` mesh axis). Attention over a split time axis is
+not local, so only kernels written for it go there: the context-parallel forms in ``hydrahead_jax.context_parallel``,
+which receive ``sequence_axes()`` as their collective axis name. A time dimension that does not divide over those
+axes is an error (replicating it would silently gather the whole sequence on every device).
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ BHD: Layout = ("batch", "heads", None)  # one token's q/k/v/o [B, H, D]
 BH: Layout = ("batch", "heads")  # one token's g, β [B, H]
 BHKV: Layout = ("batch", "heads", None, None)  # recurrent state [B, H, K, V]
 BT: Layout = ("batch", None)  # per-token ids (segment ids of packed documents) [B, T]
+# The same with the time dimension split over the sequence axes (context parallelism; see the module doc).
+BSHD: Layout = ("batch", "sequence", "heads", None)
+BSH: Layout = ("batch", "sequence", "heads")
+BS: Layout = ("batch", "sequence")
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,17 @@ def _free_axes(mesh) -> tuple[str, ...]:
     """Mesh axes this call makes manual: all but those an enclosing shard_map already made manual (size-1 axes
     too: Mosaic refuses a call whose mesh keeps any axis automatic)."""
     return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual)
+
+
+def sequence_axes() -> tuple[str, ...]:
+    """The mesh axes that split the time dimension of activations (logical name "sequence") in the ambient mesh:
+    those of size > 1 not already made manual by an enclosing ``shard_map``; () when there is no context
+    parallelism. Context-parallel kernels use it as the axis name of their collectives."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    free = _free_axes(mesh)
+    return tuple(a for a in mesh_axes_for("sequence") if a in free and mesh.shape[a] > 1)
 
 
 def _split_axes(
@@ -78,6 +99,12 @@ def _split_axes(
             if axis in free and axis not in used and all(d % size == 0 for d in dims):
                 axes.append(axis)
         skipped = [a for a in mesh_axes_for(name) if a in free and a not in axes]
+        if name == "sequence" and any(mesh.shape[a] > 1 for a in skipped):
+            raise ValueError(
+                f"kernel_call: time dimensions {dims} do not divide over the sequence mesh axes "
+                f"{ {a: mesh.shape[a] for a in skipped} }; use a sequence length that is a multiple of 2 x the "
+                "sequence axis size (context parallelism gives every device two equal chunks)."
+            )
         if skipped:
             log.debug("kernel_call: %s sizes %s do not divide over mesh axes %s; not split there", name, dims, skipped)
         used.update(axes)

@@ -186,7 +186,7 @@ def run_pipeline(
 
 def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock) -> Path | None:
     run.mesh.check_devices(jax.device_count())
-    mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
+    mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
     print(
         f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True

@@ -6,8 +6,10 @@ divide by the product of its mesh axes is replicated instead (e.g. 3 KV heads on
 everywhere, logged once.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters sharded over it, ZeRO-3
-style), ``tensor`` (Megatron-style model parallel over heads / MLP width / vocabulary). All axes are
-``AxisType.Auto`` so XLA's sharding propagation chooses the collectives inside the jitted step.
+style), ``sequence`` (context parallelism over the tokens of a row), ``tensor`` (Megatron-style model parallel over
+heads / MLP width / vocabulary). All axes are ``AxisType.Auto`` so XLA's sharding propagation chooses the
+collectives inside the jitted step; the attention kernels run inside ``jax.shard_map``
+(``hydrahead_jax.models.kernel_sharding``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from hydrahead_jax.sharding_rules import (  # noqa: F401  (re-exported: the rule
 log = logging.getLogger(__name__)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); at most one size may be −1 and is filled with the remaining devices."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, sequence: int = 1) -> Mesh:
+    """Mesh with axes (data, fsdp, sequence, tensor); at most one size may be −1 and is filled with the remaining
+    devices."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [int(data), int(fsdp), int(tensor)]
+    sizes = [int(data), int(fsdp), int(sequence), int(tensor)]
     if sizes.count(-1) > 1:
         raise ShardingError(f"mesh sizes {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1 (fill).")
     if any(s == 0 or s < -1 for s in sizes):
@@ -51,7 +54,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
             f"{len(devices)} are available; set one axis to -1 to fill."
         )
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_spec(logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -97,8 +100,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (data, fsdp), the rest replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), (0,) * ndim, mesh))
+    """Rows over (data, fsdp), tokens (dimension 1) over sequence, the rest replicated."""
+    logical = ("batch", "sequence", *(None,) * (ndim - 2))[:ndim]
+    return NamedSharding(mesh, logical_to_spec(logical, (0,) * ndim, mesh))
 
 
 def optimizer_shardings(tx, param_shapes, param_shardings, mesh: Mesh):

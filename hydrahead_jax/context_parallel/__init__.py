@@ -1,0 +1,29 @@
+"""Context parallelism: attention over a row whose tokens are split over the ``sequence`` mesh axis.
+
+The functions here run per device inside ``jax.shard_map`` (``hydrahead_jax.models.kernel_sharding.kernel_call``
+with a layout naming "sequence"), with the sequence mesh axes as the axis name of their collectives.
+
+- ``layout``: which tokens each device holds (contiguous or load-balanced zig-zag chunks).
+"""
+
+from hydrahead_jax.context_parallel.layout import (
+    LAYOUTS,
+    MODEL_LAYOUT,
+    check_length,
+    chunk_order,
+    chunks_per_shard,
+    from_layout,
+    shard_chunks,
+    to_layout,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "MODEL_LAYOUT",
+    "check_length",
+    "chunk_order",
+    "chunks_per_shard",
+    "from_layout",
+    "shard_chunks",
+    "to_layout",
+]
