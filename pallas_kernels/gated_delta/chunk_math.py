@@ -447,7 +447,7 @@ def _pad_state(cfg, s):
     return jnp.pad(s, [(0, 0), (0, 0), (0, cfg.key_dim_padded - K), (0, cfg.value_dim_padded - V)])
 
 
-def make_rule(fwd_call, bwd_call):
+def make_rule(fwd_call, bwd_call, *, block_chunks=None):
     """The custom_vjp gated delta rule of a backend: ``rule(cfg, q, k, v, g, beta, s0, segment_ids) -> (o, s_final)``.
 
     q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], s0 [B,H,K,V] fp32, segment_ids [B,T] int or None → o [B,T,H,V]
@@ -461,19 +461,26 @@ def make_rule(fwd_call, bwd_call):
     document index [B,H,Tp,1] (`chunk_documents`). Saved for the backward: the inputs and the chunk-start states
     (what a sequential pass alone can give); everything else, the prologue included, is recomputed. Segment ids
     get no cotangent.
+
+    ``block_chunks`` None: the backward recomputes the prologue for the whole sequence and makes one ``bwd_call``.
+    An int: the backward walks the sequence in reverse in blocks of that many chunks, carrying only dS (the state
+    gradient at the block's end) from block to block; per block it recomputes the prologue, calls ``bwd_call`` on
+    the block's chunks (with their saved start states) and applies the prologue's VJP, writing the block's input
+    gradients in place. The result is the same (chunks only couple through S and dS), but every temporary scales
+    with the block instead of with T (`_blocked_backward`).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def rule(cfg, q, k, v, g, beta, s0, segment_ids):
         return rule_fwd(cfg, q, k, v, g, beta, s0, segment_ids)[0]
 
-    def documents(cfg, segment_ids):
-        return None if segment_ids is None else chunk_documents(segment_ids, cfg.chunk_size)
-
     def rule_fwd(cfg, q, k, v, g, beta, s0, segment_ids):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        doc = documents(cfg, segment_ids)
+        doc = _documents(cfg, segment_ids)
+        if block_chunks is not None:
+            o, s_final, states = _blocked_forward(fwd_call, block_chunks, cfg, (q, k, v, g, beta), s0, doc)
+            return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, states)
         ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta, doc))
         doc_op = None if doc is None else _doc_operand(doc, H)
         o, s_final, states = fwd_call(*ops, doc_op, _pad_state(cfg, s0), prec=cfg.prec)
@@ -481,20 +488,20 @@ def make_rule(fwd_call, bwd_call):
         return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, states)
 
     def rule_bwd(cfg, res, cts):
+        if block_chunks is not None:
+            return _blocked_backward(bwd_call, block_chunks, cfg, res, cts)
         q, k, v, g, beta, segment_ids, states = res
         do, ds_final = cts
         B, T, H, K = q.shape
         V = v.shape[-1]
-        doc = documents(cfg, segment_ids)
+        doc = _documents(cfg, segment_ids)
         prepare = functools.partial(_prepare, cfg, doc=doc)
         prepared = prepare(q, k, v, g, beta)
-        Tp = prepared[0].shape[2]
-        do = jnp.pad(jnp.moveaxis(do, 2, 1), [(0, 0), (0, 0), (0, Tp - T), (0, cfg.value_dim_padded - V)])
         grads = bwd_call(
             *_operands(cfg, prepared),
             None if doc is None else _doc_operand(doc, H),
             states,
-            do.astype(cfg.operand_dtype),
+            _heads_first(cfg, do, prepared[0].shape[2]),
             _pad_state(cfg, ds_final.astype(_F32)),
             prec=cfg.prec,
         )
@@ -507,6 +514,138 @@ def make_rule(fwd_call, bwd_call):
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule
+
+
+def _documents(cfg, segment_ids):
+    return None if segment_ids is None else chunk_documents(segment_ids, cfg.chunk_size)
+
+
+def _heads_first(cfg, do, rows):
+    """dO [B,T,H,V] → the kernels' [B,H,rows,Vp] in the operand dtype (zero rows past T, zero columns past V)."""
+    T, V = do.shape[1], do.shape[-1]
+    do = jnp.pad(jnp.moveaxis(do, 2, 1), [(0, 0), (0, 0), (0, rows - T), (0, cfg.value_dim_padded - V)])
+    return do.astype(cfg.operand_dtype)
+
+
+def _zeros_after(value, shapes_dtypes):
+    """Zero buffers that XLA cannot create before ``value`` (any pytree) exists → (buffers, value).
+
+    A loop's preallocated outputs start as constant broadcasts, which the scheduler is free to place at program
+    start, holding their memory through everything before the loop (measured: three [T, H, 64] gradient buffers
+    held through the gate's backward of a GDN layer). Passing the zero through an optimisation barrier together
+    with ``value`` ties its creation to ``value``; ``value`` must be computed, not a constant (a zero cotangent
+    of the final state is one)."""
+    zero, value = jax.lax.optimization_barrier((jnp.zeros((), _F32), value))
+    return [jnp.broadcast_to(zero.astype(dt), shape) for shape, dt in shapes_dtypes], value
+
+
+def _block_plan(T, C, block_chunks):
+    """Blocks of ``block_chunks`` chunks (``block`` tokens): ``full`` of them inside T, then ``tail`` tokens."""
+    block = block_chunks * C
+    full = T // block
+    return block, full, T - full * block
+
+
+def _blocked_forward(fwd_call, block_chunks, cfg, inputs, s0, doc):
+    """`make_rule`'s forward over blocks of ``block_chunks`` chunks, first block first: per block, the prologue on
+    the block's tokens and one ``fwd_call`` from the state carried in (S at the block's start), writing the block's
+    output and chunk-start states in place. → (o [B,T,H,V] in q's dtype, final state [B,H,Kp,Vp] fp32, states
+    [B,H,N,Kp,Vp] fp32). The prologue is chunk-local, so this equals the whole-sequence forward; its temporaries
+    scale with the block instead of with T."""
+    q = inputs[0]
+    B, T, H, _ = q.shape
+    V = inputs[2].shape[-1]
+    C = cfg.chunk_size
+    block, full, tail = _block_plan(T, C, block_chunks)
+
+    def run(n0, chunks, length, s):
+        """Outputs and chunk-start states of the tokens [n0·C, n0·C + length) (``chunks`` chunks, static)."""
+        xs = [jax.lax.dynamic_slice_in_dim(x, n0 * C, length, axis=1) for x in inputs]
+        doc_b = None if doc is None else jax.lax.dynamic_slice_in_dim(doc, n0, chunks, axis=1)
+        ops = _operands(cfg, _prepare(cfg, *xs, doc_b))
+        o, s, states = fwd_call(*ops, None if doc_b is None else _doc_operand(doc_b, H), s, prec=cfg.prec)
+        return jnp.moveaxis(o[:, :, :length, :V], 1, 2).astype(q.dtype), s, states
+
+    s = _pad_state(cfg, s0)
+    if full == 0:
+        return run(0, -(-T // C), T, s)
+    N = -(-T // C)
+    states_shape = (B, H, N, cfg.key_dim_padded, cfg.value_dim_padded)
+    (o, states), inputs = _zeros_after(inputs, [((B, T, H, V), q.dtype), (states_shape, _F32)])
+
+    def body(i, carry):
+        o, states, s = carry
+        n0 = i * block_chunks
+        o_b, s, states_b = run(n0, block_chunks, block, s)
+        o = jax.lax.dynamic_update_slice_in_dim(o, o_b, n0 * C, axis=1)
+        return o, jax.lax.dynamic_update_slice_in_dim(states, states_b, n0, axis=2), s
+
+    o, states, s = jax.lax.fori_loop(0, full, body, (o, states, s))
+    if tail:
+        o_b, s, states_b = run(full * block_chunks, -(-tail // C), tail, s)
+        o = jax.lax.dynamic_update_slice_in_dim(o, o_b, full * block, axis=1)
+        states = jax.lax.dynamic_update_slice_in_dim(states, states_b, full * block_chunks, axis=2)
+    return o, s, states
+
+
+def _blocked_backward(bwd_call, block_chunks, cfg, res, cts):
+    """`make_rule`'s backward over blocks of ``block_chunks`` chunks, last block first.
+
+    With S_n the saved chunk-start states and dS_{n+1} carried in from the block after, a block's gradients need
+    nothing else from the rest of the sequence: for the block of chunks [n₀, n₁) (tokens [n₀C, min(n₁C, T)))
+
+        (dq, dk, dW, dU, dG, dS_{n₀}) = bwd_call(prologue(block), S_{n₀ … n₁−1}, dO_block, dS_{n₁})
+        (∂q, ∂k, ∂v, ∂g, ∂β)_block = VJP of the prologue on the block's tokens applied to (dq, dk, dW, dU, dG)
+
+    (the prologue is chunk-local; segment ids become chunk-local document indices over the whole sequence first,
+    since a document start depends on the token before the chunk). The blocks of full length run in a reverse
+    `fori_loop` that writes each block's gradients into the [B,T,H,·] outputs; a shorter last block (T not a
+    multiple of the block) runs first, on its own. One prologue pass per block serves both the kernels' operands
+    and the VJP (`jax.vjp` keeps the block's residuals, block-sized).
+    """
+    q, k, v, g, beta, segment_ids, states = res
+    do, ds_final = cts
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = cfg.chunk_size
+    block, full, tail = _block_plan(T, C, block_chunks)
+    doc = _documents(cfg, segment_ids)
+    inputs = (q, k, v, g, beta)
+
+    def grads_of(n0, chunks, length, ds):
+        """Gradients of the tokens [n0·C, n0·C + length) (``chunks`` chunks, static) given dS at their end."""
+        t0 = n0 * C
+        xs = [jax.lax.dynamic_slice_in_dim(x, t0, length, axis=1) for x in inputs]
+        doc_b = None if doc is None else jax.lax.dynamic_slice_in_dim(doc, n0, chunks, axis=1)
+        prepared, prep_vjp = jax.vjp(functools.partial(_prepare, cfg, doc=doc_b), *xs)
+        grads = bwd_call(
+            *_operands(cfg, prepared),
+            None if doc_b is None else _doc_operand(doc_b, H),
+            jax.lax.dynamic_slice_in_dim(states, n0, chunks, axis=2),
+            _heads_first(cfg, jax.lax.dynamic_slice_in_dim(do, t0, length, axis=1), chunks * C),
+            ds,
+            prec=cfg.prec,
+        )
+        return prep_vjp(grads[:5]), grads[5]
+
+    ds = _pad_state(cfg, ds_final.astype(_F32))
+    if full == 0:
+        dx, ds = grads_of(0, -(-T // C), T, ds)
+        return (*dx, ds[:, :, :K, :V], None)
+    dx, do = _zeros_after(do, [(x.shape, x.dtype) for x in inputs])
+    if tail:
+        dx_tail, ds = grads_of(full * block_chunks, -(-tail // C), tail, ds)
+        dx = [jax.lax.dynamic_update_slice_in_dim(d, t, full * block, axis=1) for d, t in zip(dx, dx_tail)]
+
+    def body(i, carry):
+        dx, ds = carry
+        n0 = (full - 1 - i) * block_chunks
+        dx_b, ds = grads_of(n0, block_chunks, block, ds)
+        dx = [jax.lax.dynamic_update_slice_in_dim(d, t.astype(d.dtype), n0 * C, axis=1) for d, t in zip(dx, dx_b)]
+        return dx, ds
+
+    dx, ds = jax.lax.fori_loop(0, full, body, (dx, ds))
+    return (*dx, ds[:, :, :K, :V], None)
 
 
 def chunked_gated_delta_rule(

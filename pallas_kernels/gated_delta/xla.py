@@ -1,10 +1,10 @@
 """Chunked gated delta rule in plain XLA: the CPU default and every platform's fallback.
 
-The math is chunk_math's (WY prologue, chunk functions, `make_rule`'s custom_vjp); here the recurrence runs as
-batched XLA:
+The math is chunk_math's (WY prologue, chunk functions, `make_rule`'s custom_vjp, run block by block:
+``block_chunks``); here the recurrence of one block of chunks runs as batched XLA:
 
-- forward: the chunk-parallel parts ((q kᵀ) ⊙ D, q e^G, k e^{G_C − G}) are batched over all chunks first; a loop
-  over chunks then carries the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ ν_n with ν_n = U − W S_n, stores
+- forward: the chunk-parallel parts ((q kᵀ) ⊙ D, q e^G, k e^{G_C − G}) are batched over the block's chunks first;
+  a loop over chunks then carries the state, S_{n+1} = e^{G_C} S_n + (k e^{G_C − G})ᵀ ν_n with ν_n = U − W S_n, stores
   each chunk's start state S_n (the backward's residual) and writes O_n = (q e^G) S_n + ((q kᵀ) ⊙ D) ν_n while
   S_n and ν_n are at hand. Why the output is not one batched product after the loop: that stores ν for every
   chunk and reads it and all S_n back (a [B,H,N,K,V] array is 2x the input at K = V = 2C), and on the
@@ -13,7 +13,7 @@ batched XLA:
       dν_n = ((q kᵀ) ⊙ D)ᵀ dO_n + (k e^{G_C − G}) dS_{n+1},   dS_n = (q e^G)ᵀ dO_n + e^{G_C} dS_{n+1} − W_nᵀ dν_n,
   a reverse loop whose chunk-parallel terms ((q kᵀ ⊙ D)ᵀ dO, (q e^G)ᵀ dO) are computed before it. With every
   dS_{n+1} known, `chunk_math.grads_tile`/`grads_finish` give each chunk's dq, dk, dW, dG independently: one
-  batched (vmapped) call over all chunks (dU = dν).
+  batched (vmapped) call over the block's chunks (dU = dν).
 
 Everything runs in fp32 (``operand_dtype=float32``): on a CPU bf16 dots are no faster, and this path is the
 fallback users compare against.
@@ -30,6 +30,11 @@ from . import chunk_math
 from .chunk_math import _mm
 
 _F32 = jnp.float32
+
+# Tokens per block of the rule (`chunk_math.make_rule`'s ``block_chunks``): the forward and the backward walk the
+# sequence block by block, so their temporaries scale with this, not with T. Small blocks also keep each block's
+# working set in cache: on the CPU 256 tokens was the fastest of 256/512/1024 (bench/RESULTS.md, "XLA memory").
+BLOCK_TOKENS = 256
 
 
 def _chunked(x, C):
@@ -135,7 +140,9 @@ def bwd_call(q, k, w, u, g, doc, states, do, ds_final, *, prec, chunk_size):
 def rule(chunk_size=64):
     """The custom_vjp rule for one chunk size (cached so jit sees one function)."""
     return chunk_math.make_rule(
-        functools.partial(fwd_call, chunk_size=chunk_size), functools.partial(bwd_call, chunk_size=chunk_size)
+        functools.partial(fwd_call, chunk_size=chunk_size),
+        functools.partial(bwd_call, chunk_size=chunk_size),
+        block_chunks=max(1, BLOCK_TOKENS // chunk_size),
     )
 
 
