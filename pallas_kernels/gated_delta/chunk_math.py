@@ -463,11 +463,12 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
     get no cotangent.
 
     ``block_chunks`` None: the backward recomputes the prologue for the whole sequence and makes one ``bwd_call``.
-    An int: the backward walks the sequence in reverse in blocks of that many chunks, carrying only dS (the state
-    gradient at the block's end) from block to block; per block it recomputes the prologue, calls ``bwd_call`` on
-    the block's chunks (with their saved start states) and applies the prologue's VJP, writing the block's input
-    gradients in place. The result is the same (chunks only couple through S and dS), but every temporary scales
-    with the block instead of with T (`_blocked_backward`).
+    An int: the forward walks the sequence in blocks of that many chunks, carrying S, and saves only each block's
+    start state instead of every chunk's (`_blocked_forward`); the backward walks it in reverse, carrying dS, and
+    per block recomputes the prologue and the block's chunk-start states (``fwd_call`` from the saved one), calls
+    ``bwd_call`` and applies the prologue's VJP, writing the block's input gradients in place
+    (`_blocked_backward`). The result is the same (chunks only couple through S and dS), but every temporary
+    scales with the block instead of with T.
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -479,8 +480,8 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
         V = v.shape[-1]
         doc = _documents(cfg, segment_ids)
         if block_chunks is not None:
-            o, s_final, states = _blocked_forward(fwd_call, block_chunks, cfg, (q, k, v, g, beta), s0, doc)
-            return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, states)
+            o, s_final, starts = _blocked_forward(fwd_call, block_chunks, cfg, (q, k, v, g, beta), s0, doc)
+            return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, starts)
         ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta, doc))
         doc_op = None if doc is None else _doc_operand(doc, H)
         o, s_final, states = fwd_call(*ops, doc_op, _pad_state(cfg, s0), prec=cfg.prec)
@@ -489,7 +490,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
 
     def rule_bwd(cfg, res, cts):
         if block_chunks is not None:
-            return _blocked_backward(bwd_call, block_chunks, cfg, res, cts)
+            return _blocked_backward(fwd_call, bwd_call, block_chunks, cfg, res, cts)
         q, k, v, g, beta, segment_ids, states = res
         do, ds_final = cts
         B, T, H, K = q.shape
@@ -549,9 +550,9 @@ def _block_plan(T, C, block_chunks):
 def _blocked_forward(fwd_call, block_chunks, cfg, inputs, s0, doc):
     """`make_rule`'s forward over blocks of ``block_chunks`` chunks, first block first: per block, the prologue on
     the block's tokens and one ``fwd_call`` from the state carried in (S at the block's start), writing the block's
-    output and chunk-start states in place. → (o [B,T,H,V] in q's dtype, final state [B,H,Kp,Vp] fp32, states
-    [B,H,N,Kp,Vp] fp32). The prologue is chunk-local, so this equals the whole-sequence forward; its temporaries
-    scale with the block instead of with T."""
+    output in place. → (o [B,T,H,V] in q's dtype, final state [B,H,Kp,Vp] fp32, block-start states
+    [B,H,⌈N/block_chunks⌉,Kp,Vp] fp32: the backward's checkpoints, `_blocked_backward`). The prologue is
+    chunk-local, so this equals the whole-sequence forward; its temporaries scale with the block, not with T."""
     q = inputs[0]
     B, T, H, _ = q.shape
     V = inputs[2].shape[-1]
@@ -559,51 +560,54 @@ def _blocked_forward(fwd_call, block_chunks, cfg, inputs, s0, doc):
     block, full, tail = _block_plan(T, C, block_chunks)
 
     def run(n0, chunks, length, s):
-        """Outputs and chunk-start states of the tokens [n0·C, n0·C + length) (``chunks`` chunks, static)."""
+        """Outputs of the tokens [n0·C, n0·C + length) (``chunks`` chunks, static) and the state after them."""
         xs = [jax.lax.dynamic_slice_in_dim(x, n0 * C, length, axis=1) for x in inputs]
         doc_b = None if doc is None else jax.lax.dynamic_slice_in_dim(doc, n0, chunks, axis=1)
         ops = _operands(cfg, _prepare(cfg, *xs, doc_b))
-        o, s, states = fwd_call(*ops, None if doc_b is None else _doc_operand(doc_b, H), s, prec=cfg.prec)
-        return jnp.moveaxis(o[:, :, :length, :V], 1, 2).astype(q.dtype), s, states
+        o, s, _ = fwd_call(*ops, None if doc_b is None else _doc_operand(doc_b, H), s, prec=cfg.prec)
+        return jnp.moveaxis(o[:, :, :length, :V], 1, 2).astype(q.dtype), s
 
     s = _pad_state(cfg, s0)
     if full == 0:
-        return run(0, -(-T // C), T, s)
-    N = -(-T // C)
-    states_shape = (B, H, N, cfg.key_dim_padded, cfg.value_dim_padded)
-    (o, states), inputs = _zeros_after(inputs, [((B, T, H, V), q.dtype), (states_shape, _F32)])
+        o, s_final = run(0, -(-T // C), T, s)
+        return o, s_final, s[:, :, None]
+    starts_shape = (B, H, full + (tail > 0), cfg.key_dim_padded, cfg.value_dim_padded)
+    (o, starts), inputs = _zeros_after(inputs, [((B, T, H, V), q.dtype), (starts_shape, _F32)])
 
     def body(i, carry):
-        o, states, s = carry
-        n0 = i * block_chunks
-        o_b, s, states_b = run(n0, block_chunks, block, s)
-        o = jax.lax.dynamic_update_slice_in_dim(o, o_b, n0 * C, axis=1)
-        return o, jax.lax.dynamic_update_slice_in_dim(states, states_b, n0, axis=2), s
+        o, starts, s = carry
+        starts = jax.lax.dynamic_update_index_in_dim(starts, s, i, axis=2)
+        o_b, s = run(i * block_chunks, block_chunks, block, s)
+        return jax.lax.dynamic_update_slice_in_dim(o, o_b, i * block, axis=1), starts, s
 
-    o, states, s = jax.lax.fori_loop(0, full, body, (o, states, s))
+    o, starts, s = jax.lax.fori_loop(0, full, body, (o, starts, s))
     if tail:
-        o_b, s, states_b = run(full * block_chunks, -(-tail // C), tail, s)
+        starts = jax.lax.dynamic_update_index_in_dim(starts, s, full, axis=2)
+        o_b, s = run(full * block_chunks, -(-tail // C), tail, s)
         o = jax.lax.dynamic_update_slice_in_dim(o, o_b, full * block, axis=1)
-        states = jax.lax.dynamic_update_slice_in_dim(states, states_b, full * block_chunks, axis=2)
-    return o, s, states
+    return o, s, starts
 
 
-def _blocked_backward(bwd_call, block_chunks, cfg, res, cts):
+def _blocked_backward(fwd_call, bwd_call, block_chunks, cfg, res, cts):
     """`make_rule`'s backward over blocks of ``block_chunks`` chunks, last block first.
 
-    With S_n the saved chunk-start states and dS_{n+1} carried in from the block after, a block's gradients need
-    nothing else from the rest of the sequence: for the block of chunks [n₀, n₁) (tokens [n₀C, min(n₁C, T)))
+    A block's gradients need nothing from the rest of the sequence but the state at its start (checkpointed by
+    `_blocked_forward`) and dS at its end (carried in from the block after): for the block of chunks [n₀, n₁)
+    (tokens [n₀C, min(n₁C, T)))
 
+        S_{n₀ … n₁−1} = fwd_call(prologue(block), S_{n₀})             (the block's chunk-start states, recomputed)
         (dq, dk, dW, dU, dG, dS_{n₀}) = bwd_call(prologue(block), S_{n₀ … n₁−1}, dO_block, dS_{n₁})
         (∂q, ∂k, ∂v, ∂g, ∂β)_block = VJP of the prologue on the block's tokens applied to (dq, dk, dW, dU, dG)
 
     (the prologue is chunk-local; segment ids become chunk-local document indices over the whole sequence first,
-    since a document start depends on the token before the chunk). The blocks of full length run in a reverse
-    `fori_loop` that writes each block's gradients into the [B,T,H,·] outputs; a shorter last block (T not a
-    multiple of the block) runs first, on its own. One prologue pass per block serves both the kernels' operands
-    and the VJP (`jax.vjp` keeps the block's residuals, block-sized).
+    since a document start depends on the token before the chunk). Saving one state per block instead of one per
+    chunk costs a second state recurrence over the block (its outputs are unused and dead-code eliminated) and
+    saves (1 − 1/block_chunks) of the [B,H,N,K,V] states, a T-sized fp32 array. The blocks of full length run
+    in a reverse `fori_loop` that writes each block's gradients into the [B,T,H,·] outputs; a shorter last block
+    (T not a multiple of the block) runs first, on its own. One prologue pass per block serves the kernels'
+    operands and the VJP (`jax.vjp` keeps the block's residuals, block-sized).
     """
-    q, k, v, g, beta, segment_ids, states = res
+    q, k, v, g, beta, segment_ids, starts = res
     do, ds_final = cts
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -612,20 +616,18 @@ def _blocked_backward(bwd_call, block_chunks, cfg, res, cts):
     doc = _documents(cfg, segment_ids)
     inputs = (q, k, v, g, beta)
 
-    def grads_of(n0, chunks, length, ds):
-        """Gradients of the tokens [n0·C, n0·C + length) (``chunks`` chunks, static) given dS at their end."""
+    def grads_of(b, chunks, length, ds):
+        """Gradients of block b's tokens [b·block, b·block + length) (``chunks`` chunks, static), dS at its end."""
+        n0 = b * block_chunks
         t0 = n0 * C
         xs = [jax.lax.dynamic_slice_in_dim(x, t0, length, axis=1) for x in inputs]
         doc_b = None if doc is None else jax.lax.dynamic_slice_in_dim(doc, n0, chunks, axis=1)
         prepared, prep_vjp = jax.vjp(functools.partial(_prepare, cfg, doc=doc_b), *xs)
-        grads = bwd_call(
-            *_operands(cfg, prepared),
-            None if doc_b is None else _doc_operand(doc_b, H),
-            jax.lax.dynamic_slice_in_dim(states, n0, chunks, axis=2),
-            _heads_first(cfg, jax.lax.dynamic_slice_in_dim(do, t0, length, axis=1), chunks * C),
-            ds,
-            prec=cfg.prec,
-        )
+        ops = _operands(cfg, prepared)
+        doc_op = None if doc_b is None else _doc_operand(doc_b, H)
+        states = fwd_call(*ops, doc_op, jax.lax.dynamic_index_in_dim(starts, b, axis=2, keepdims=False), prec=cfg.prec)
+        do_b = _heads_first(cfg, jax.lax.dynamic_slice_in_dim(do, t0, length, axis=1), chunks * C)
+        grads = bwd_call(*ops, doc_op, states[2], do_b, ds, prec=cfg.prec)
         return prep_vjp(grads[:5]), grads[5]
 
     ds = _pad_state(cfg, ds_final.astype(_F32))
@@ -634,14 +636,14 @@ def _blocked_backward(bwd_call, block_chunks, cfg, res, cts):
         return (*dx, ds[:, :, :K, :V], None)
     dx, do = _zeros_after(do, [(x.shape, x.dtype) for x in inputs])
     if tail:
-        dx_tail, ds = grads_of(full * block_chunks, -(-tail // C), tail, ds)
+        dx_tail, ds = grads_of(full, -(-tail // C), tail, ds)
         dx = [jax.lax.dynamic_update_slice_in_dim(d, t, full * block, axis=1) for d, t in zip(dx, dx_tail)]
 
     def body(i, carry):
         dx, ds = carry
-        n0 = (full - 1 - i) * block_chunks
-        dx_b, ds = grads_of(n0, block_chunks, block, ds)
-        dx = [jax.lax.dynamic_update_slice_in_dim(d, t.astype(d.dtype), n0 * C, axis=1) for d, t in zip(dx, dx_b)]
+        b = full - 1 - i
+        dx_b, ds = grads_of(b, block_chunks, block, ds)
+        dx = [jax.lax.dynamic_update_slice_in_dim(d, t.astype(d.dtype), b * block, axis=1) for d, t in zip(dx, dx_b)]
         return dx, ds
 
     dx, ds = jax.lax.fori_loop(0, full, body, (dx, ds))
