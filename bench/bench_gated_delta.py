@@ -15,7 +15,8 @@ interleaved repeats after a warm-up (bench/_common.py), each run's median, then 
 (the least disturbed figure on a shared machine); the ratio is of those minima. torch uses
 ``torch.set_num_threads(n)`` with n = the number of cores, the thread count of JAX's CPU client.
 Memory: the compiled fwd+bwd temporaries of our rule (XLA memory_analysis, deterministic) in MiB and in units of one
-fp32 [B,T,H,K] input, the size the custom_vjp's saved chunk states take at C = K.
+fp32 [B,T,H,K] input (the size all chunk-start states would take at C = K; the XLA rule saves one per 256-token
+block).
 
 ``--segments`` (packed documents, issue #15): our XLA rule alone on the same inputs, once without segment ids and
 once with the ids of documents of about ``--doc-len`` tokens (bench_segments.packed_segment_ids: lengths uniform in

@@ -56,7 +56,9 @@ are all ones and the kernels take no document operand. Tokens padded after T rep
 
 3. `make_rule`: one custom_vjp around the whole rule (prologue and recurrence) that saves only its inputs (in their
    own dtype) and the chunk-start states S_n; the backward recomputes the prologue (cheap, chunk-parallel) and
-   differentiates it with `jax.vjp`. `chunked_gated_delta_rule` calls it.
+   differentiates it with `jax.vjp`. `chunked_gated_delta_rule` calls it. With ``block_chunks`` (the XLA path) both
+   passes walk the sequence in blocks of chunks, saving only each block's start state, so their temporaries are
+   block-sized (`_blocked_forward`, `_blocked_backward`).
 
 Operand dtype: q, k, W and the stored states S_n enter the kernels' dots in the input dtype (bf16 stays bf16, so
 the dots run on bf16 tensor cores / MXU passes) with fp32 accumulation; the decays G, U, the carried states and every
