@@ -78,6 +78,36 @@ def test_several_blocks_match_the_token_scan():
         assert rel_err(a, b) < 2e-5, name
 
 
+def unblocked_rule(q, k, v, g, beta, s0, segment_ids):
+    """The same XLA chunk functions through the whole-sequence `make_rule` (block_chunks=None)."""
+    whole = chunk_math.make_rule(
+        functools.partial(xla.fwd_call, chunk_size=CHUNK), functools.partial(xla.bwd_call, chunk_size=CHUNK)
+    )
+    return chunk_math.chunked_gated_delta_rule(
+        whole,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=q.shape[-1] ** -0.5,
+        initial_state=s0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        chunk_size=CHUNK,
+        pad_pow2=False,
+        segment_ids=segment_ids,
+        operand_dtype=jnp.float32,
+    )
+
+
+# Segment ids are an argument, so both layouts below share one compilation of each.
+values_and_grads = {
+    name: jax.jit(lambda *args, fn=fn: (fn(*args), jax.grad(weighted_loss(fn), argnums=range(6))(*args)))
+    for name, fn in (("blocked", xla_rule), ("unblocked", unblocked_rule))
+}
+
+
 @pytest.mark.parametrize("starts", [(5, 300, 301), (256, 512, 520)], ids=["inside-blocks", "at-block-starts"])
 def test_documents_across_blocks_match_the_unblocked_rule(starts):
     """Packed documents whose starts fall inside blocks, and exactly on block starts (so the first chunk of a block
@@ -89,32 +119,8 @@ def test_documents_across_blocks_match_the_unblocked_rule(starts):
         ids[0, t:] = i + 1
     ids[1, 100:] = 7  # one start in the second row
     segment_ids = jnp.asarray(ids)
-    whole = chunk_math.make_rule(
-        functools.partial(xla.fwd_call, chunk_size=CHUNK), functools.partial(xla.bwd_call, chunk_size=CHUNK)
-    )
-
-    def unblocked(q, k, v, g, beta, s0):
-        return chunk_math.chunked_gated_delta_rule(
-            whole,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=q.shape[-1] ** -0.5,
-            initial_state=s0,
-            output_final_state=True,
-            use_qk_l2norm=True,
-            chunk_size=CHUNK,
-            pad_pow2=False,
-            segment_ids=segment_ids,
-            operand_dtype=jnp.float32,
-        )
-
-    blocked = functools.partial(xla_rule, segment_ids=segment_ids)
-    for a, b in zip(jax.jit(blocked)(*args), jax.jit(unblocked)(*args)):
+    (out, grads), (out_ref, grads_ref) = (values_and_grads[n](*args, segment_ids) for n in ("blocked", "unblocked"))
+    for a, b in zip(out, out_ref):
         assert rel_err(a, b) < 1e-5
-    grads = jax.jit(jax.grad(weighted_loss(blocked), argnums=range(6)))(*args)
-    grads_ref = jax.jit(jax.grad(weighted_loss(unblocked), argnums=range(6)))(*args)
     for name, a, b in zip("q k v g beta initial_state".split(), grads, grads_ref):
         assert rel_err(a, b) < 1e-5, name
