@@ -12,6 +12,16 @@ checkpoint exactly. A workdir that holds a run of another config is refused unle
 and steps/tokens may change on a rerun (it continues with them; a finished stage given more steps trains on and
 the stages after it rerun). One run owns a workdir at a time (a lock a killed run does not leave behind).
 SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
+
+Multi-process (--config.distributed=True): every process runs the same command; jax.distributed.initialize()
+joins them before any other JAX call. Under SLURM, Open MPI, Kubernetes (JobSet) or on a Cloud TPU slice JAX finds
+the coordinator itself; elsewhere (several processes on one machine, another scheduler) give each process
+--coordinator_address=HOST:PORT (or the JAX_COORDINATOR_ADDRESS environment variable), --num_processes and its
+--process_id. On CPU the processes exchange collectives over gloo (TCP).
+
+    python train.py --config configs/tiny.py --workdir runs/t --config.distributed=True \
+        --config.mesh.data=2 --config.mesh.sequence=4 \
+        --coordinator_address=localhost:12345 --num_processes=2 --process_id=0   # and =1 in the second process
 """
 
 import os
@@ -36,6 +46,15 @@ _FORCE_NEW = flags.DEFINE_bool(
     "Start over in a workdir that holds a run of another config "
     "(the old run is moved aside to WORKDIR.replaced-<time>).",
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "config.distributed: HOST:PORT of process 0's coordinator, where JAX does not detect the cluster itself.",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "config.distributed: the number of processes.", lower_bound=1
+)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "config.distributed: this process's index.", lower_bound=0)
 flags.mark_flags_as_required(["config", "workdir"])
 PREEMPTED_EXIT_STATUS = 143  # SIGTERM: the last finished step was checkpointed, rerun to resume
 
@@ -81,15 +100,46 @@ def _parse_flags(argv):
         _fail(_config_file_error(argv, error))
 
 
+def _cluster_coordinates() -> dict:
+    """The explicit coordinates of --coordinator_address/--num_processes/--process_id ({} when none is given:
+    JAX detects the cluster); refused in one line when they are incomplete or inconsistent."""
+    given = {
+        "coordinator_address": _COORDINATOR.value,
+        "num_processes": _NUM_PROCESSES.value,
+        "process_id": _PROCESS_ID.value,
+    }
+    if all(v is None for v in given.values()):
+        return {}
+    if given["num_processes"] is None or given["process_id"] is None:
+        raise ConfigError(
+            "--num_processes and --process_id go together (every process gets the same --num_processes and its own "
+            "--process_id); pass both, or neither to let JAX detect the cluster."
+        )
+    if given["process_id"] >= given["num_processes"]:
+        raise ConfigError(
+            f"--process_id={given['process_id']} is not below --num_processes={given['num_processes']}; "
+            "number the processes 0 … num_processes − 1."
+        )
+    if given["coordinator_address"] is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        raise ConfigError(
+            "--num_processes/--process_id need the coordinator: pass --coordinator_address=HOST:PORT (process 0's "
+            "host and a free port, the same in every process) or set JAX_COORDINATOR_ADDRESS."
+        )
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _join_cluster(jax) -> None:
     """jax.distributed.initialize(), with a one-line error when no cluster is there to join."""
+    coordinates = _cluster_coordinates()
     try:
-        jax.distributed.initialize()  # before any other JAX call: every host joins the same device mesh
+        jax.distributed.initialize(**coordinates)  # before any other JAX call: every host joins the same mesh
     except (ValueError, RuntimeError) as err:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
-            f"config.distributed=True, but no cluster to join was found ({err}). Fix: on one machine pass "
+            f"config.distributed=True, but no cluster to join was found ({cause}). Fix: on one machine pass "
             "--config.distributed=False; on a cluster launch under a scheduler JAX detects (SLURM, Open MPI, "
-            "Kubernetes, Cloud TPU) or set JAX_COORDINATOR_ADDRESS."
+            "Kubernetes, Cloud TPU) or give every process --coordinator_address=HOST:PORT (or set "
+            "JAX_COORDINATOR_ADDRESS), --num_processes and its --process_id."
         ) from None
 
 
@@ -113,6 +163,11 @@ def main(argv):
         run = RunConfig.from_recipe(recipe)  # the edge: everything below reads the typed config
         if run.distributed:
             _join_cluster(jax)
+        elif _cluster_coordinates():
+            raise ConfigError(
+                "--coordinator_address/--num_processes/--process_id are for a multi-process run; pass "
+                "--config.distributed=True as well, or drop them."
+            )
         if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
             # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes,
             # reuses compiled steps instead of paying minutes of XLA compilation again.

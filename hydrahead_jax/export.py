@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -61,31 +62,51 @@ def export_final(
         from hydrahead_jax.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(teacher_source)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by an export that was killed (the caller owns out)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    from hydrahead_jax.training.checkpoint import is_primary, sync_processes  # local: export loads without training
+
+    # Every process writes its shards of the parameters into the same folder (its name is process 0's choice);
+    # process 0 alone writes the other files and renames the folder into place.
+    if is_primary():
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by an export that was killed (the caller owns out)
+            shutil.rmtree(stale, ignore_errors=True)
+    tag = uuid.uuid4().hex[:8]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tag = f"{int(multihost_utils.broadcast_one_to_all(np.uint32(int(tag, 16)))):08x}"
+    tmp = out.parent / f".{out.name}.tmp-{tag}"
+    if is_primary():
+        tmp.mkdir(parents=True)
+    sync_processes("export folder")
     try:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(tmp / "params", full_state)
             ckptr.wait_until_finished()
-        head_map.save(tmp / "head_map.json")
-        (tmp / "model_config.json").write_text(cfg.to_json())
-        (tmp / "hybrid_config.json").write_text(json.dumps(hybrid_cfg.to_dict(), indent=2, sort_keys=True))
-        if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
-        if resolved_config is not None:
-            (tmp / "train_config.json").write_text(json.dumps(resolved_config, indent=2, sort_keys=True, default=str))
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
-        (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        if is_primary():
+            _write_metadata(tmp, cfg, head_map, hybrid_cfg, tokenizer, resolved_config)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_primary():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    sync_processes("export done")
     return out
+
+
+def _write_metadata(tmp: Path, cfg, head_map, hybrid_cfg, tokenizer, resolved_config) -> None:
+    """Everything of the export besides the parameters, and the manifest of all its files."""
+    head_map.save(tmp / "head_map.json")
+    (tmp / "model_config.json").write_text(cfg.to_json())
+    (tmp / "hybrid_config.json").write_text(json.dumps(hybrid_cfg.to_dict(), indent=2, sort_keys=True))
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+    if resolved_config is not None:
+        (tmp / "train_config.json").write_text(json.dumps(resolved_config, indent=2, sort_keys=True, default=str))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> None:

@@ -328,7 +328,10 @@ class RunConfig:
     mesh: MeshConfig
     logging: LoggingConfig
     seed: int = 0
-    distributed: bool = False  # jax.distributed.initialize(): multi-host GPU / TPU pods
+    # Multi-process (GPU clusters, TPU pods, several processes on one machine): train.py calls
+    # jax.distributed.initialize() first; coordinates come from the scheduler JAX detects or from train.py's
+    # --coordinator_address/--num_processes/--process_id. Every process runs the same command.
+    distributed: bool = False
     hybrid_calibration_rows: int = 4  # stage-1 rows that calibrate the fusion scales
 
     def __post_init__(self):

@@ -157,6 +157,65 @@ def resolve_shard(shard_index: int | None, shard_count: int | None) -> tuple[int
     return int(shard_index), int(shard_count)
 
 
+def resolve_batch_rows(
+    batch_size: int,
+    batch_rows: Sequence[int] | None,
+    shard_index: int | None,
+    shard_count: int | None,
+) -> tuple[int, ...]:
+    """The rows of every global batch this process reads, sorted.
+
+    ``batch_rows`` given: those rows (a multi-process run passes the rows its devices hold,
+    ``training.sharding.process_batch_rows``; ``range(batch_size)``: every process reads the whole batch).
+    Otherwise process p of P reads rows p, p+P, p+2P, ... (``shard_index``/``shard_count``, by default
+    ``jax.process_index()``/``process_count()``)."""
+    if batch_rows is None:
+        index, count = resolve_shard(shard_index, shard_count)
+        if batch_size % count:
+            raise ValueError(f"global batch_size={batch_size} is not divisible by the {count} processes.")
+        return tuple(range(index, batch_size, count))
+    rows = tuple(sorted(int(r) for r in batch_rows))
+    if not rows or len(set(rows)) != len(rows) or rows[0] < 0 or rows[-1] >= batch_size:
+        raise ValueError(
+            f"batch_rows={list(batch_rows)} must be distinct rows of a global batch of {batch_size}, at least one."
+        )
+    return rows
+
+
+class BatchRows(grain.MapDataset):
+    """The rows ``rows`` of every global batch of ``batch_size`` consecutive elements of ``parent``:
+
+        element i  =  parent[(i div b) · batch_size + rows[i mod b]],   b = len(rows)
+
+    so ``.batch(b)`` gives this process's share of the global step-s batch, parent[s·B : (s+1)·B], and the
+    shares of all processes together are exactly the single-process batch. Random access, no state of its own:
+    the iterator's position stays one integer (exact resume)."""
+
+    def __init__(self, parent: grain.MapDataset, batch_size: int, rows: Sequence[int]):
+        super().__init__(parent)
+        self._batch_size, self._rows = int(batch_size), tuple(rows)
+        self._len = len(parent) // self._batch_size * len(self._rows)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        return f"BatchRows(batch_size={self._batch_size}, rows={self._rows})"
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        step, j = divmod(int(index), len(self._rows))
+        return self._parent[step * self._batch_size + self._rows[j]]
+
+
+def select_batch_rows(rows: grain.MapDataset, batch_size: int, batch_rows: tuple[int, ...]) -> grain.IterDataset:
+    """Batches of this process's ``batch_rows`` of each global batch of ``batch_size`` (see ``BatchRows``)."""
+    if batch_rows == tuple(range(batch_size)):
+        return rows.batch(batch_size, drop_remainder=True)
+    return BatchRows(rows, batch_size, batch_rows).batch(len(batch_rows), drop_remainder=True)
+
+
 def make_train_iterator(
     store_path: str | Path,
     *,
@@ -167,6 +226,7 @@ def make_train_iterator(
     num_epochs: int | None = None,
     shard_index: int | None = None,
     shard_count: int | None = None,
+    batch_rows: Sequence[int] | None = None,
     synthetic_rate: float = 0.0,
     synthetic_tasks: Sequence[str] | None = None,
     synthetic_loss: str = "answer",
@@ -180,7 +240,8 @@ def make_train_iterator(
 
     `batch_size` is the GLOBAL batch: process p of P gets rows p, p+P, p+2P, ... of the global row
     sequence, batch_size // P of them per step, so the union of all processes' step-s batches is exactly
-    the single-process step-s batch. `synthetic_rate` > 0 mixes seeded synthetic retrieval rows in
+    the single-process step-s batch; `batch_rows` names the rows of each global batch this process reads
+    instead (see `resolve_batch_rows`: a multi-process run reads the rows its devices hold). `synthetic_rate` > 0 mixes seeded synthetic retrieval rows in
     (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with `get_state()`/`set_state()` or
     Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at exactly the next batch.
     """
@@ -193,6 +254,7 @@ def make_train_iterator(
         num_epochs=num_epochs,
         shard_index=shard_index,
         shard_count=shard_count,
+        batch_rows=batch_rows,
         synthetic_rate=synthetic_rate,
         synthetic_tasks=synthetic_tasks,
         synthetic_loss=synthetic_loss,
@@ -214,6 +276,7 @@ def make_dataset(
     num_epochs: int | None = None,
     shard_index: int | None = None,
     shard_count: int | None = None,
+    batch_rows: Sequence[int] | None = None,
     synthetic_rate: float = 0.0,
     synthetic_tasks: Sequence[str] | None = None,
     synthetic_loss: str = "answer",
@@ -224,9 +287,7 @@ def make_dataset(
     prefetch_buffer_size: int = 16,
 ) -> grain.IterDataset:
     """The `grain.IterDataset` behind `make_train_iterator` (same arguments)."""
-    shard_index, shard_count = resolve_shard(shard_index, shard_count)
-    if batch_size % shard_count:
-        raise ValueError(f"global batch_size={batch_size} is not divisible by the {shard_count} processes.")
+    batch_rows = resolve_batch_rows(batch_size, batch_rows, shard_index, shard_count)
     store = CorpusStore(store_path, split, tokenizer=tokenizer)
     rows: grain.MapDataset = PackedWindows(
         store, seq_len, seed=seed, num_epochs=num_epochs, shuffle=shuffle, drop_tail=drop_tail
@@ -246,7 +307,6 @@ def make_dataset(
         )
     elif synthetic_rate < 0:
         raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
-    rows = rows[shard_index::shard_count]
-    batches = rows.batch(batch_size // shard_count, drop_remainder=True)
+    batches = select_batch_rows(rows, batch_size, batch_rows)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return batches.to_iter_dataset(options)

@@ -11,12 +11,18 @@ Layout of a stage directory (``workdir/stage1_align`` ...)::
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save
 (SIGKILL included) leaves either the whole step or none of it. A step that still does not restore (a disk
 error, a corrupted file) is reported, moved to ``corrupt/`` and the previous step is tried.
+
+Multi-process runs: every process calls save and restore (each writes and reads its own shards, and its own
+iterator state under ``data``); Orbax writes the metadata once. The files of the workdir itself (run_config.json,
+DONE, a quarantined step's move) are written by process 0 alone, and every process waits at a barrier after each
+such write, so none reads a state the others have not reached.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from hydrahead_jax.config import ModelConfig
@@ -50,6 +57,20 @@ RESUME_SAFE_SECTION_KEYS = {
 # from the resumed step on. A finished stage given more steps continues to the new count, and the finished stages
 # after it are moved aside and rerun (their input changed); fewer steps than a finished stage ran change nothing.
 CONTINUABLE_STAGE_KEYS = ("lr", "steps", "tokens")
+
+
+_BARRIERS = itertools.count()  # every process passes the same barriers in the same order: the same names
+
+
+def is_primary() -> bool:
+    """Whether this process writes the workdir's own files (process 0; the only one of a one-process run)."""
+    return jax.process_index() == 0
+
+
+def sync_processes(what: str) -> None:
+    """Wait until every process got here (a no-op for one process). ``what`` names the barrier in a timeout."""
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(f"hydrahead:{what}:{next(_BARRIERS)}")
 
 
 class ConfigMismatchError(RuntimeError):
@@ -164,6 +185,17 @@ def check_workdir_config(
     Returns the config's fingerprint (stored in every checkpoint's meta); see ``config_fingerprint``."""
     path = workdir / "run_config.json"
     digest, core = config_fingerprint(run, teacher_model, data_digest)
+    try:
+        if is_primary():
+            _claim_workdir(workdir, path, run, digest, core, force_new=force_new)
+    finally:
+        sync_processes("workdir config")  # the others read nothing of the workdir before it is settled
+    if not is_primary() and (not path.exists() or read_run_config(path)["config_hash"] != digest):
+        raise ConfigMismatchError(f"process 0 refused workdir {workdir} (its error says why and how to fix it).")
+    return digest
+
+
+def _claim_workdir(workdir: Path, path: Path, run: RunConfig, digest: str, core, *, force_new: bool) -> None:
     if path.exists():
         old = read_run_config(path)
         changed = _continued_settings(old.get("config", {}), run.to_dict())
@@ -191,7 +223,6 @@ def check_workdir_config(
             {"config_hash": digest, "config_core": core, "config": run.to_dict()}, indent=2, sort_keys=True, default=str
         )
     )
-    return digest
 
 
 def read_run_config(path: Path) -> dict[str, Any]:
@@ -258,10 +289,14 @@ class StageCheckpointer:
 
     def mark_done(self, step: int) -> None:
         self.manager.wait_until_finished()
-        (self.directory / DONE_MARKER).write_text(json.dumps({"final_step": int(step)}))
+        if is_primary():
+            (self.directory / DONE_MARKER).write_text(json.dumps({"final_step": int(step)}))
+        sync_processes("mark done")
 
     def clear_done(self) -> None:
-        (self.directory / DONE_MARKER).unlink(missing_ok=True)
+        if is_primary():
+            (self.directory / DONE_MARKER).unlink(missing_ok=True)
+        sync_processes("clear done")
 
     def steps(self) -> list[int]:
         self.manager.reload()
@@ -317,9 +352,11 @@ class StageCheckpointer:
             "good step.",
             flush=True,
         )
-        target.parent.mkdir(parents=True, exist_ok=True)
         self.manager.close()
-        shutil.move(str(self.directory / str(step)), str(target))
+        if is_primary():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+        sync_processes("quarantine")
         self._open()
 
     def restore_latest(self, abstract_model, abstract_opt, iterator):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grain
 
-from hydrahead_jax.data.pipeline import make_train_iterator, resolve_shard
+from hydrahead_jax.data.pipeline import make_train_iterator, resolve_batch_rows, select_batch_rows
 from hydrahead_jax.data.rows import CopyRows
 from hydrahead_jax.run_config import DataConfig
 
@@ -24,15 +24,17 @@ def make_stage_iterator(
     synthetic_rate: float,
     tokenizer=None,
     store_path=None,
+    batch_rows=None,
 ) -> grain.DatasetIterator:
-    """Iterator of this process's share of global batches of ``batch_size`` rows for one stage."""
+    """Iterator of this process's share of global batches of ``batch_size`` rows for one stage: the rows
+    ``batch_rows`` of each global batch (those its devices hold, ``training.sharding.process_batch_rows``;
+    ``range(batch_size)``: the whole batch on every process), by default rows p, p+P, ... of process p of P."""
     if data.source == "copy":
-        shard_index, shard_count = resolve_shard(None, None)
-        if batch_size % shard_count:
-            raise ValueError(f"global batch_size={batch_size} is not divisible by the {shard_count} processes.")
-        rows = CopyRows(vocab_size, seq_len, seed=seed, repeats=data.copy_repeats)
-        rows = rows[shard_index::shard_count].batch(batch_size // shard_count, drop_remainder=True)
-        return rows.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)).__iter__()
+        rows = resolve_batch_rows(batch_size, batch_rows, None, None)
+        batches = select_batch_rows(
+            CopyRows(vocab_size, seq_len, seed=seed, repeats=data.copy_repeats), batch_size, rows
+        )
+        return batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)).__iter__()
     if store_path is None:
         raise ValueError("the corpus source needs a prepared token store (store_path).")
     return make_train_iterator(
@@ -43,6 +45,7 @@ def make_stage_iterator(
         split="train",
         synthetic_rate=synthetic_rate,
         tokenizer=tokenizer if synthetic_rate > 0 else None,
+        batch_rows=batch_rows,
         num_threads=data.num_threads,
         prefetch_buffer_size=data.prefetch,
     )

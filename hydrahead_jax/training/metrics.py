@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 from tqdm import tqdm
 
 
@@ -53,10 +54,12 @@ class StageLogger:
     ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
         path = Path(workdir) / "metrics.jsonl"
-        _drop_rows_after(path, stage, start_step)
-        self._jsonl = open(path, "a", buffering=1)
-        self._tb = None
-        if tensorboard:
+        self._jsonl = self._tb = None
+        primary = jax.process_index() == 0  # every process computes the same metrics; process 0 writes them
+        if primary:
+            _drop_rows_after(path, stage, start_step)
+            self._jsonl = open(path, "a", buffering=1)
+        if tensorboard and primary:
             from tensorboardX import SummaryWriter  # local: optional dependency at import time
 
             self._tb = SummaryWriter(str(Path(workdir) / "tensorboard" / stage), flush_secs=10)
@@ -65,7 +68,7 @@ class StageLogger:
             initial=start_step,
             desc=stage,
             unit="step",
-            disable=not progress,
+            disable=not (progress and primary),
             dynamic_ncols=True,
             smoothing=0.1,
         )
@@ -84,7 +87,8 @@ class StageLogger:
         }
         record.update({k: float(v) for k, v in metrics.items()})
         record.update(extra or {})
-        self._jsonl.write(json.dumps(record) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, float) and math.isfinite(v) and k != "step":
@@ -95,7 +99,8 @@ class StageLogger:
 
     def close(self):
         self._bar.close()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 

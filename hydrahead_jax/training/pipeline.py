@@ -211,21 +211,26 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(run.seed)))
     student_graphdef, abstract_student = nnx.split(abstract_model)
 
-    def iterator_factory(stage: Stage, seed: int, batch_size: int | None = None):
+    def iterator_factory(stage: Stage, seed: int, batch_size: int | None = None, *, every_row: bool = False):
         scfg = run.stage(stage)
+        size = batch_size or scfg.batch_size
+        # A process reads the rows its devices hold (put_batch assembles the global batch from them); the
+        # calibration batch is read whole by every process, which must all build the same student.
+        rows = range(size) if every_row else shd.process_batch_rows(shd.batch_sharding(mesh, 2), size)
         return lambda: make_stage_iterator(
             run.data,
             seq_len=scfg.seq_len,
-            batch_size=batch_size or scfg.batch_size,
+            batch_size=size,
             seed=seed,
             vocab_size=cfg.vocab_size,
             synthetic_rate=scfg.synthetic_rate,
             tokenizer=tokenizer,
             store_path=store,
+            batch_rows=rows,
         )
 
     def initial_first_stage():
-        calib = iterator_factory(STAGES[0], run.seed + 7919, run.hybrid_calibration_rows)()
+        calib = iterator_factory(STAGES[0], run.seed + 7919, run.hybrid_calibration_rows, every_row=True)()
         ids = jax.numpy.asarray(next(calib)["input_ids"])
         # build_student copies the teacher's arrays, so the student's state can be donated to the jitted step.
         student = build_student(teacher, head_map, run.hybrid, rngs=nnx.Rngs(run.seed), calibration_ids=ids)

@@ -116,12 +116,55 @@ def optimizer_shardings(tx, param_shapes, param_shardings, mesh: Mesh):
     )
 
 
-def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Host batch (this process's rows) → global jax Arrays sharded over the batch axes.
+def _row_slices(sharding: NamedSharding, num_rows: int, addressable: bool) -> set[tuple[int, int]]:
+    """The distinct (start, stop) row ranges of a [num_rows, ...] array under ``sharding`` that the devices
+    hold: this process's (``addressable``) or all of them. The other dims are sized so that any split divides."""
+    ndim = max(1, len(sharding.spec))
+    shape = (num_rows,) + (math.prod(sharding.mesh.shape.values()),) * (ndim - 1)
+    indices = sharding.addressable_devices_indices_map(shape) if addressable else sharding.devices_indices_map(shape)
+    return {slice_ranges[0].indices(num_rows)[:2] for slice_ranges in indices.values()}
 
-    Single process: a plain device_put. Multi-host: each process holds its own rows (grain slices them per
-    process), assembled into one global array.
+
+def process_batch_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, ...]:
+    """The rows of a global [batch_size, T, ...] batch placed by ``sharding`` that this process's devices hold,
+    sorted: what this process's data iterator reads (``make_stage_iterator(batch_rows=...)``), whole rows.
+
+    With the rows split over (data, fsdp) and processes laid out along them, process p of P holds the p-th
+    contiguous block of B/P rows; where a row's tokens are split over a ``sequence`` axis that spans processes,
+    those processes hold (and read) the same rows."""
+    rows = set()
+    for start, stop in _row_slices(sharding, batch_size, addressable=True):
+        rows.update(range(start, stop))
+    return tuple(sorted(rows))
+
+
+def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Host batch (this process's rows, whole: every token) → global jax Arrays placed by ``sharding``.
+
+    Single process: a plain device_put. Multi-process: the local batch holds the rows
+    ``process_batch_rows(sharding, B)`` of the global batch of B rows (B follows from how many of the row
+    blocks this process holds); each device gets its block of rows and its slice of their tokens.
     """
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    local_rows = len(next(iter(batch.values())))
+    row_blocks = len(_row_slices(sharding, jax.device_count(), addressable=False))
+    held_blocks = len(_row_slices(sharding, row_blocks, addressable=True))
+    global_rows = local_rows * row_blocks // held_blocks
+    rows = process_batch_rows(sharding, global_rows)
+    if len(rows) != local_rows or local_rows * row_blocks % held_blocks:
+        raise ShardingError(
+            f"this process holds {held_blocks} of {row_blocks} row blocks but its batch has {local_rows} rows; "
+            "the data iterator must read process_batch_rows(sharding, batch_size) of every global batch."
+        )
+    position = {row: i for i, row in enumerate(rows)}
+
+    def place(local: np.ndarray):
+        def block(index):
+            start, stop = index[0].indices(global_rows)[:2]
+            first = position[start]  # a device's rows are consecutive in ``rows`` too (sorted, contiguous range)
+            return local[(slice(first, first + stop - start),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback((global_rows,) + local.shape[1:], sharding, block)
+
+    return {k: place(np.asarray(v)) for k, v in batch.items()}

@@ -1,0 +1,214 @@
+"""Multi-process runs: two train.py processes of 4 CPU devices each (jax.distributed with a local coordinator,
+gloo collectives) train the tiny recipe on a (data=2, sequence=4) mesh to the losses and final model of one
+process with 8 devices, and resume after both are killed mid-stage. Plus the per-process data rows they rely on."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import pytest
+from train_helpers import ROOT
+
+from hydrahead_jax.data.pipeline import BatchRows, resolve_batch_rows, select_batch_rows
+from hydrahead_jax.training import sharding as shd
+
+MESH = ("--config.mesh.data=2", "--config.mesh.sequence=4")  # tiny.py's seq_len 32/64: multiples of 2 x 4
+
+
+# ------------------------------------------------------------------------------------------------ data rows
+
+
+class _Numbers(grain.MapDataset):
+    """Element i is {"i": i}: which global element every process reads is visible in the batch."""
+
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return {"i": np.int64(index)}
+
+
+def test_batch_rows_of_all_processes_tile_every_global_batch_and_resume():
+    batch = 6
+    whole = select_batch_rows(_Numbers(), batch, tuple(range(batch))).to_iter_dataset().__iter__()
+    blocks = [(0, 1, 2), (3, 4, 5)]  # two processes, each holding a contiguous block (data axis over processes)
+    parts = [select_batch_rows(_Numbers(), batch, rows).to_iter_dataset().__iter__() for rows in blocks]
+    for step in range(3):
+        expected = next(whole)["i"]
+        np.testing.assert_array_equal(expected, np.arange(step * batch, (step + 1) * batch))
+        np.testing.assert_array_equal(np.concatenate([next(p)["i"] for p in parts]), expected)
+    # The iterator state is one position: a fresh iterator set to it reads exactly the next batch.
+    state = parts[1].get_state()
+    fresh = select_batch_rows(_Numbers(), batch, blocks[1]).to_iter_dataset().__iter__()
+    fresh.set_state(state)
+    np.testing.assert_array_equal(next(fresh)["i"], [21, 22, 23])
+    # The default slicing (process p of P reads rows p, p+P, ...) is the same mechanism.
+    assert resolve_batch_rows(6, None, 1, 3) == (1, 4)
+    strided = BatchRows(_Numbers(), 6, (1, 4))
+    assert [int(strided[i]["i"]) for i in range(4)] == [1, 4, 7, 10]
+
+
+def test_bad_batch_rows_are_refused_with_the_rule():
+    for rows in ([], [0, 0], [6], [-1]):
+        with pytest.raises(ValueError, match="distinct rows of a global batch of 6"):
+            resolve_batch_rows(6, rows, None, None)
+    with pytest.raises(ValueError, match="not divisible by the 4 processes"):
+        resolve_batch_rows(6, None, 0, 4)
+
+
+def test_one_process_holds_every_row_and_put_batch_places_them():
+    mesh = shd.make_mesh(2, 1, 1, sequence=4)
+    sharding = shd.batch_sharding(mesh, 2)
+    assert shd.process_batch_rows(sharding, 4) == (0, 1, 2, 3)
+    ids = np.arange(4 * 16, dtype=np.int32).reshape(4, 16)
+    placed = shd.put_batch({"input_ids": ids}, sharding)["input_ids"]
+    np.testing.assert_array_equal(np.asarray(placed), ids)
+    # rows over data (2 blocks of 2), tokens over sequence (4 blocks of 4)
+    assert {tuple(s.data.shape) for s in placed.addressable_shards} == {(2, 4)}
+
+
+# ------------------------------------------------------------------------------------------------ train.py
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    # Reruns of a stage (the resume) and the processes of one run reuse compiled steps.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hydrahead_test_jax_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    return env
+
+
+def _command(workdir: Path, *extra: str) -> list[str]:
+    config = str(ROOT / "configs" / "tiny.py")
+    return [sys.executable, str(ROOT / "train.py"), "--config", config, "--workdir", str(workdir), *MESH, *extra]
+
+
+class _Processes:
+    """The two processes of one multi-process train.py run, their output in files (no pipe to fill)."""
+
+    def __init__(self, workdir: Path, logs: Path):
+        port = _free_port()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = [logs / f"process{p}.log" for p in range(2)]
+        self.procs = []
+        for p, log in enumerate(self.logs):
+            cluster = ("--config.distributed=True", f"--coordinator_address=localhost:{port}")
+            cluster += ("--num_processes=2", f"--process_id={p}")
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        _command(workdir, *cluster), env=_env(4), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+
+    def tails(self) -> str:
+        return "\n".join(
+            f"--- process {p} (last lines) ---\n" + log.read_text()[-3000:] for p, log in enumerate(self.logs)
+        )
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the 2-process run did not finish in {timeout:.0f} s\n{self.tails()}")
+        codes = [proc.returncode for proc in self.procs]
+        assert codes == [0, 0], f"exit statuses {codes}\n{self.tails()}"
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()  # SIGKILL: no checkpoint on the way out
+        for proc in self.procs:
+            proc.wait(timeout=60)
+
+
+def _losses(workdir: Path) -> dict[tuple[str, int], float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = {(r["stage"], r["step"]): r["loss"] for r in rows}
+    assert len(losses) == len(rows), "one row per step"
+    return losses
+
+
+def _final_params(workdir: Path) -> list[np.ndarray]:
+    from flax import nnx
+
+    from hydrahead_jax.export import load_hydrahead
+
+    model, _ = load_hydrahead(workdir / "final")
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_killed(tmp_path):
+    # Reference: one process, 8 devices, the same mesh and config.
+    single = tmp_path / "single"
+    done = subprocess.run(_command(single), env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = _losses(single)
+    assert len(expected) == 18  # 3 stages x 6 steps
+
+    # Two processes, killed (SIGKILL, both) once stage 2 has written its step-2 checkpoint, before it finishes.
+    multi = tmp_path / "multi"
+    run = _Processes(multi, tmp_path / "logs-killed")
+    checkpoint, deadline = multi / "stage2_distil" / "2", time.monotonic() + 900
+    while not checkpoint.is_dir() and all(p.poll() is None for p in run.procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    finished_early = [p.poll() for p in run.procs]
+    run.kill()
+    assert checkpoint.is_dir() and finished_early == [None, None], f"no stage-2 checkpoint\n{run.tails()}"
+    assert not (multi / "stage2_distil" / "DONE").exists(), "killed after stage 2 finished: not mid-stage"
+    killed = _losses(multi)
+    assert ("stage2_distil", 2) in killed
+    for key, loss in killed.items():  # what the killed run logged agrees with the reference
+        np.testing.assert_allclose(loss, expected[key], rtol=2e-4, atol=1e-6, err_msg=str(key))
+
+    # The rerun resumes stage 2 from its checkpoint and finishes the recipe: every step's loss (those before the
+    # resume point were logged by the killed run) and the exported model are the single-process run's.
+    rerun = _Processes(multi, tmp_path / "logs-rerun")
+    rerun.wait(timeout=900)
+    log = rerun.logs[0].read_text()
+    assert "[stage1_align] finished earlier" in log and "[stage2_distil] resuming from step" in log, rerun.tails()
+    resumed = _losses(multi)
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(resumed[key], expected[key], rtol=2e-4, atol=1e-6, err_msg=str(key))
+    for got, want in zip(_final_params(multi), _final_params(single), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_distributed_without_a_cluster_is_one_line_naming_the_fix(tmp_path):
+    env = _env(1)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    for extra, needle in (
+        (("--config.distributed=True",), "no cluster to join"),
+        (("--config.distributed=True", "--num_processes=2"), "--num_processes and --process_id go together"),
+        (("--num_processes=2", "--process_id=0", "--coordinator_address=localhost:1"), "distributed=True as well"),
+    ):
+        done = subprocess.run(
+            _command(tmp_path / "w", *extra), env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(errors) == 1 and needle in errors[0], done.stderr[-2000:]
+        assert not (tmp_path / "w").exists()  # refused before any work
