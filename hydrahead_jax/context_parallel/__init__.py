@@ -4,8 +4,10 @@ The functions here run per device inside ``jax.shard_map`` (``hydrahead_jax.mode
 with a layout naming "sequence"), with the sequence mesh axes as the axis name of their collectives.
 
 - ``layout``: which tokens each device holds (contiguous or load-balanced zig-zag chunks).
+- ``attention``: causal softmax attention of the FA heads (``sequence_parallel_attention``: all-gather or ring).
 """
 
+from hydrahead_jax.context_parallel.attention import sequence_parallel_attention
 from hydrahead_jax.context_parallel.layout import (
     LAYOUTS,
     MODEL_LAYOUT,
@@ -26,4 +28,5 @@ __all__ = [
     "from_layout",
     "shard_chunks",
     "to_layout",
+    "sequence_parallel_attention",
 ]

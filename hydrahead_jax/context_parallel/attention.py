@@ -196,7 +196,8 @@ def _partial_attention(q, k, v, q_pos, k_pos, q_ids, k_ids, scale, block_q):
         vis = (k_pos[None, :] <= qp_i[:, None])[None, None, None]
         if qi_i is not None:
             vis = vis & (qi_i[:, :, None] == k_ids[:, None, :])[:, None, None]
-        m = lax.stop_gradient(jnp.max(jnp.where(vis, s, _NO_KEYS), axis=-1, keepdims=True))
+        s = jnp.where(vis, s, _NO_KEYS)  # masked before exp: exp(s − m) of a hidden key would overflow
+        m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
         p = jnp.where(vis, jnp.exp(s - m), 0.0)
         l = p.sum(-1)
         some = l > 0
@@ -224,7 +225,7 @@ def _merge(o, lse, o_new, lse_new):
 
 def _attend_and_merge(acc, pair, *, scale, block_q):
     """One ring step for one (query chunk, visiting key chunk) pair: its partial merged into acc = (o, lse)."""
-    q, k, v, q_ids, k_ids, q_pos, k_pos = pair
+    q, q_ids, k, v, k_ids, q_pos, k_pos = pair
     return _merge(*acc, *_partial_attention(q, k, v, q_pos, k_pos, q_ids, k_ids, scale, block_q))
 
 
@@ -239,24 +240,31 @@ def _ring_attention(q, k, v, segment_ids, axis_name, n, layout, scale, block_siz
     positions = lambda chunk: chunk * c + jnp.arange(c)  # noqa: E731
     piece = lambda x, p: None if x is None else x[:, p * c : (p + 1) * c]  # noqa: E731
 
-    outs = [jnp.zeros((b, c, hq, d), _F32) for _ in range(parts)]
-    lses = [jnp.full((b, hkv, hq // hkv, c), _NO_KEYS, _F32) for _ in range(parts)]
-    visiting = (k, v, segment_ids)
-    ring = [(i, (i + 1) % n) for i in range(n)]
-    for step in range(n):
-        src_chunks = shard_chunks((me - step) % n, n, layout)
-        k_blk, v_blk, ids_blk = visiting
+    attend = functools.partial(_attend_and_merge, scale=scale, block_q=block_q)
+
+    def visit(acc, block, src):
+        """Merge the visiting block of device ``src`` into every held chunk's (o, lse)."""
+        src_chunks = shard_chunks(src, n, layout)
+        acc = list(acc)
         for a in range(parts):
             for bb in range(parts):
-                pair = (piece(q, a), piece(k_blk, bb), piece(v_blk, bb), piece(segment_ids, a), piece(ids_blk, bb))
+                pair = tuple(piece(x, a) for x in (q, segment_ids)) + tuple(piece(x, bb) for x in block)
                 pair += (positions(my_chunks[a]), positions(src_chunks[bb]))
-                outs[a], lses[a] = lax.cond(
-                    src_chunks[bb] <= my_chunks[a],  # a block entirely in the future is skipped
-                    functools.partial(_attend_and_merge, scale=scale, block_q=block_q),
-                    lambda acc, pair: acc,
-                    (outs[a], lses[a]),
-                    pair,
-                )
-        if step < n - 1:
-            visiting = jax.tree.map(lambda x: lax.ppermute(x, axis_name, ring), visiting)
-    return jnp.concatenate(outs, axis=1).astype(q.dtype) if parts > 1 else outs[0].astype(q.dtype)
+                skip = lambda acc, pair: acc  # noqa: E731
+                # a block entirely in the future is skipped: no work
+                acc[a] = lax.cond(src_chunks[bb] <= my_chunks[a], attend, skip, acc[a], pair)
+        return tuple(acc)
+
+    acc = tuple(
+        (jnp.zeros((b, c, hq, d), _F32), jnp.full((b, hkv, hq // hkv, c), _NO_KEYS, _F32)) for _ in range(parts)
+    )
+    acc = visit(acc, (k, v, segment_ids), me)  # step 0: this device's own block
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def step(carry, s):  # steps 1 … n−1: pass the block on, then attend to the one that arrived (from me − s)
+        acc, block = carry
+        block = jax.tree.map(lambda x: lax.ppermute(x, axis_name, ring), block)
+        return (visit(acc, block, (me - s) % n), block), None
+
+    (acc, _), _ = lax.scan(step, (acc, (k, v, segment_ids)), jnp.arange(1, n))
+    return jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)

@@ -80,10 +80,13 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         attention_factory: AttentionFactory | None = None,
         attention_impl: str = "auto",
+        context_parallel: str = "allgather",
     ):
         self.cfg = cfg
         if attention_factory is None:
-            attention_factory = lambda i, r: Attention(cfg, rngs=r, attention_impl=attention_impl)  # noqa: E731
+            attention_factory = lambda i, r: Attention(  # noqa: E731
+                cfg, rngs=r, attention_impl=attention_impl, context_parallel=context_parallel
+            )
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
