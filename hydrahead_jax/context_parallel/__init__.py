@@ -5,9 +5,14 @@ with a layout naming "sequence"), with the sequence mesh axes as the axis name o
 
 - ``layout``: which tokens each device holds (contiguous or load-balanced zig-zag chunks).
 - ``attention``: causal softmax attention of the FA heads (``sequence_parallel_attention``: all-gather or ring).
+- ``gated_delta``: the Gated DeltaNet heads' rule (states folded across devices) and causal conv (halo).
 """
 
 from hydrahead_jax.context_parallel.attention import sequence_parallel_attention
+from hydrahead_jax.context_parallel.gated_delta import (
+    sequence_parallel_causal_conv,
+    sequence_parallel_gated_delta_rule,
+)
 from hydrahead_jax.context_parallel.layout import (
     LAYOUTS,
     MODEL_LAYOUT,
@@ -29,4 +34,6 @@ __all__ = [
     "shard_chunks",
     "to_layout",
     "sequence_parallel_attention",
+    "sequence_parallel_causal_conv",
+    "sequence_parallel_gated_delta_rule",
 ]
