@@ -1,0 +1,128 @@
+"""Context parallelism through the whole model, training and evaluation, on 8 simulated CPU devices.
+
+The reference is always the same computation without a sequence mesh (one device): hidden states, logits and every
+parameter gradient of the tiny hybrid (FA and LA groups, conv on) and of its teacher, prefill + greedy decoding,
+and the losses of the tiny recipe's stages 1 and 3 through the real trainer.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_hybrid_model import perturb
+from train_helpers import tiny_config, tiny_models
+
+from hydrahead_jax.hybrid import build_student, new_param_filter
+from hydrahead_jax.models.transformer import sequence_parts, sequence_shards
+from hydrahead_jax.training import sharding as shd
+
+MESHES = {"seq8": dict(sequence=8), "data2_seq4": dict(data=2, sequence=4)}
+
+
+def mesh_of(name):
+    sizes = dict(data=1, fsdp=1, tensor=1, **{k: v for k, v in MESHES[name].items() if k != "data"})
+    sizes["data"] = MESHES[name].get("data", 1)
+    return shd.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"], sequence=sizes["sequence"])
+
+
+def one_device_mesh():
+    return shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+_MODELS = {}
+
+
+def models():
+    """(teacher, hybrid student with random LA parameters) of the tiny recipe: 2 layers, one FA and one LA KV
+    group each, conv and output gate on. Built once."""
+    if not _MODELS:
+        _, teacher, head_map, hybrid = tiny_models(tiny_config())
+        perturb(teacher, nnx.Param, 3, scale=0.1)
+        student = build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(1))
+        perturb(student, new_param_filter, 4, scale=0.5)  # decays, β, gates, conv taps: away from their init
+        _MODELS.update(teacher=teacher, student=student)
+    return _MODELS["teacher"], _MODELS["student"]
+
+
+def packed_row(t, boundaries, seed):
+    """(ids, positions, segment ids) [2, t] of rows packing documents that start at ``boundaries``."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 128, (2, t)).astype(np.int32)
+    seg = np.zeros((2, t), np.int32)
+    for start in boundaries:
+        seg[:, start:] += 1
+    starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=0, axis=1) != 0, np.arange(t), 0), axis=1)
+    return ids, (np.arange(t) - starts).astype(np.int32), seg
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grads(graphdef, params, rest, ids, positions, segment_ids, weights):
+    def loss(params):
+        model = nnx.merge(graphdef, params, rest)
+        h, _ = model.hidden_states(ids, positions=positions, segment_ids=segment_ids)
+        logits = model.logits_from_hidden(h)
+        return jnp.sum(logits * weights), (h, logits)
+
+    (_, (h, logits)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return h, logits, grads
+
+
+def value_and_grads(model, mesh, ids, positions, segment_ids):
+    """Hidden states, logits and ∂(Σ w·logits)/∂θ for every parameter θ, jitted under ``mesh``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    weights = jax.random.normal(jax.random.key(5), (*ids.shape, model.cfg.vocab_size), jnp.float32)
+    with jax.set_mesh(mesh):
+        parts = sequence_parts(ids.shape[1])
+        put = (
+            (lambda x: jax.device_put(x, shd.batch_sharding(mesh, x.ndim)))
+            if ids.shape[1] % parts == 0
+            else jnp.asarray  # a length that needs padding cannot be placed over the sequence axis
+        )
+        arrays = [None if x is None else put(x) for x in (ids, positions, segment_ids)]
+        h, logits, grads = _value_and_grads(graphdef, params, rest, *arrays, weights)
+    return np.asarray(h), np.asarray(logits), {path: np.asarray(v) for path, v in nnx.to_flat_state(grads)}
+
+
+CASES = {
+    # one causal sequence per row
+    "plain": (64, None),
+    # packed documents whose boundaries fall inside chunks and on a shard border (chunks of 4 / 8 tokens)
+    "packed": (64, (5, 8, 30, 47)),
+    # a length that needs end-padding to a multiple of 2n, with documents
+    "padded": (60, (13, 40)),
+}
+
+
+@pytest.mark.parametrize(
+    "mesh_name,case,which",
+    [
+        ("seq8", "plain", "student"),
+        ("seq8", "packed", "student"),
+        ("seq8", "padded", "student"),
+        ("data2_seq4", "packed", "student"),
+        ("data2_seq4", "padded", "teacher"),
+        ("seq8", "packed", "teacher"),
+    ],
+)
+def test_model_values_and_gradients_match_unsharded(mesh_name, case, which):
+    teacher, student = models()
+    model = student if which == "student" else teacher
+    t, boundaries = CASES[case]
+    ids, positions, seg = packed_row(t, boundaries or (), seed=t)
+    if boundaries is None:
+        positions, seg = None, None
+    mesh = mesh_of(mesh_name)
+    with jax.set_mesh(mesh):
+        assert sequence_shards(t) == mesh.shape["sequence"]  # the model really runs context-parallel
+    ref = value_and_grads(model, one_device_mesh(), ids, positions, seg)
+    got = value_and_grads(model, mesh, ids, positions, seg)
+    for name, a, b in zip(("hidden", "logits"), got[:2], ref[:2]):
+        assert a.shape == b.shape == (2, t, *a.shape[2:])
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=name)
+    assert got[2].keys() == ref[2].keys()
+    for path, g in ref[2].items():
+        assert np.abs(g).max() > 0, path  # every parameter really receives a gradient
+        np.testing.assert_allclose(got[2][path], g, rtol=2e-4, atol=2e-4 * np.abs(g).max(), err_msg=str(path))
