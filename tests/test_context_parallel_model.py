@@ -256,3 +256,21 @@ def test_seq_len_that_does_not_split_over_the_sequence_axis_is_refused_with_the_
     run = RunConfig.from_recipe(c)
     with pytest.raises(ConfigError, match=r"stage1.seq_len=32 .* mesh.sequence=32"):
         run.check_sequence_split(32)  # what the pipeline checks once mesh.sequence=-1 is filled
+
+
+def test_eval_mesh_option():
+    """eval.py --mesh-sequence: 1 keeps the one-device path; a size the devices do not divide into is refused
+    with the fix; 8 builds a mesh whose tokens split over 8 devices."""
+    from hydrahead_jax.evaluation.cli import build_parser, settings_from_args
+    from hydrahead_jax.evaluation.suite import SuiteError, eval_mesh
+
+    args = build_parser().parse_args(["--model", "x", "--out", "/tmp/x", "--mesh-sequence", "8"])
+    assert settings_from_args(args).mesh_sequence == 8
+    assert eval_mesh(1) is None
+    assert dict(eval_mesh(8).shape) == {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
+    assert dict(eval_mesh(4).shape)["data"] == 2
+    with pytest.raises(SuiteError, match="--mesh-sequence 3: .* Fix: a --mesh-sequence that divides the 8 devices"):
+        eval_mesh(3)
+    args = build_parser().parse_args(["--model", "x", "--out", "/tmp/x", "--mesh-sequence", "0"])
+    with pytest.raises(SuiteError, match="--mesh-sequence must be >= 1"):
+        settings_from_args(args)
