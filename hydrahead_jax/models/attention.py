@@ -140,6 +140,10 @@ class Attention(nnx.Module):
     tokens are split over the ``sequence`` mesh axis ("allgather" or "ring"; ``sequence_parallel_attention``).
     """
 
+    # Under a sequence mesh the block hands this module its row in the sharded token order (the model's
+    # ``SHARDED_ORDER_ATTR``): full_attention and the GDN heads run their context-parallel kernels on it.
+    takes_sharded_order = True
+
     def __init__(
         self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto", context_parallel: str = "allgather"
     ):
