@@ -33,7 +33,6 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.models.generate import decode_loop
-from hydrahead_jax.training import sharding as shd
 
 
 class OutOfMemory(RuntimeError):
@@ -152,7 +151,9 @@ class Runner:
         if mesh is None:
             self.param_bytes = _tree_bytes(self.state)
         else:
-            self.state = jax.device_put(nnx.as_pure(self.state), shd.state_shardings(self.state, mesh))
+            from hydrahead_jax.training.sharding import state_shardings  # only with a mesh: loading needs no training
+
+            self.state = jax.device_put(nnx.as_pure(self.state), state_shardings(self.state, mesh))
             self.param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
         # models of one structure (a teacher and its same-shaped copies) share compiled executables
         self._signature = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(self.state))
