@@ -152,15 +152,16 @@ def test_prefill_and_greedy_decode_under_the_mesh_give_the_unsharded_tokens(mesh
     assert runner.sequence_parts == 2 * mesh.shape["sequence"]
     got = runner.generate(prompt, 4)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
-    if mesh.shape["data"] == 1:
-        # (With rows split over data=2 the hybrid's output at the first token of a row differs by ~3e-3 from one
-        # device even without context parallelism, data=2 alone: an ill-conditioned first-token output, reported.)
-        np.testing.assert_allclose(
-            np.asarray(runner.hidden_states(prompt)),
-            np.asarray(Runner(student).hidden_states(prompt)),
-            rtol=2e-4,
-            atol=2e-5,
-        )
+    # Token 0 is left out: a Gated DeltaNet head's first output is (q̂·k̂) β v, and the output RMSNorm (eps 1e-6)
+    # divides out its size; with q̂·k̂ near 0 (row 0 here) the rounding of that dot product alone (~1e-7 absolute,
+    # different per device split: rows over data=2 without any sequence split show the same) becomes a 1e-3
+    # relative change. Every later token has a state to read and matches at the usual tolerance.
+    np.testing.assert_allclose(
+        np.asarray(runner.hidden_states(prompt))[:, 1:],
+        np.asarray(Runner(student).hidden_states(prompt))[:, 1:],
+        rtol=2e-4,
+        atol=2e-5,
+    )
 
 
 def test_prefill_that_would_need_padding_is_refused_with_the_fix():
