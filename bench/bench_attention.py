@@ -88,6 +88,8 @@ VARIANTS = ("teacher", "HydraHead 7:1", "layer-wise 3:1", "layer-wise 7:1", "xla
 class DenseAttention(Attention):
     """The teacher block with XLA's materialising ``jax.nn.dot_product_attention`` (the second baseline)."""
 
+    takes_sharded_order = False  # no context-parallel kernel: under a sequence mesh it runs on the natural order
+
     def full_attention(self, q, k, v, cache, cache_index, segment_ids=None):
         if segment_ids is not None:
             raise ValueError("the dense baseline runs one sequence per row (segment_ids=None).")

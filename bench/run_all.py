@@ -23,6 +23,7 @@ SCRIPTS = {
     "decode": "bench_decode.py",
     "train_step": "bench_train_step.py",
     "segments": "bench_segments.py",
+    "context_parallel": "bench_context_parallel.py",
 }
 
 

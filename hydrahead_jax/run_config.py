@@ -369,6 +369,25 @@ class RunConfig:
                     f"Fix: --{where}.ce_weight=1.0."
                 )
 
+        if self.mesh.sequence > 1:
+            self.check_sequence_split(self.mesh.sequence)
+
+    def check_sequence_split(self, sequence: int) -> None:
+        """Under context parallelism over ``sequence`` devices every stage's rows split into 2 × sequence equal
+        chunks (the load-balanced zig-zag order gives each device an early and a late chunk). Training rows are
+        never padded: padded tokens would still cost every layer's compute and memory."""
+        parts = 2 * sequence
+        for stage in STAGES:
+            seq_len = self.stage(stage).seq_len
+            if seq_len % parts:
+                up = seq_len + parts - seq_len % parts
+                choices = f"{up} or {up - parts}" if up > parts else f"{up}"
+                raise ConfigError(
+                    f"config.{stage.config_key}.seq_len={seq_len} does not split over mesh.sequence={sequence}: "
+                    f"context parallelism needs a multiple of 2 x sequence = {parts} tokens. Fix: "
+                    f"--config.{stage.config_key}.seq_len={choices}, or a smaller --config.mesh.sequence."
+                )
+
     def stage(self, stage: Stage) -> StageConfig:
         return getattr(self, stage.config_key)
 

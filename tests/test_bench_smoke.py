@@ -82,6 +82,48 @@ def test_segments_quick(capsys):
     assert all(r > 0 for ratio in ratios.values() for r in ratio.values())
 
 
+def test_context_parallel_quick(capsys):
+    """sequence=8 against 1 on the 8 test devices: memory, time and collective bytes of every layer, and the
+    collective count read from the HLO is really there (the split layer moves bytes; one device moves none)."""
+    import bench_context_parallel
+
+    results = bench_context_parallel.main(["--quick"])
+    rows = _table_rows(capsys.readouterr().out, "T")
+    assert [r[1] for r in rows] == ["teacher", "1-FA", "all-LA", "7:1"]
+    one, split = results[512]
+    for kind in ("teacher", "1-FA", "all-LA", "7:1"):
+        assert one[kind]["mem"] > 0 and split[kind]["mem"] > 0, kind
+        assert one[kind]["bytes"] == 0 and split[kind]["bytes"] > 0, kind
+        assert one[kind]["time"] > 0 and split[kind]["time"] > 0, kind
+
+
+def test_collective_bytes_of_hand_written_hlo():
+    """Operand bytes by op, an async start counted once, and a while body weighted by its trip count."""
+    import bench_context_parallel
+
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %cp = f32[4,8]{1,0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %cp)
+}
+
+ENTRY %main (a: f32[2,8], /*index=1*/b: bf16[16]) -> f32[4,8] {
+  %a = f32[2,8]{1,0} parameter(0)
+  %b = bf16[16]{0} parameter(1)
+  %ag = f32[4,8]{1,0} all-gather(%a), channel_id=2, dimensions={0}
+  %ars = bf16[16]{0} all-reduce-start(%b), channel_id=3, to_apply=%add
+  %ard = bf16[16]{0} all-reduce-done(%ars)
+  %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    got = bench_context_parallel.collective_bytes(hlo)
+    assert got == {"all-gather": 2 * 8 * 4, "all-reduce": 16 * 2, "collective-permute": 3 * 4 * 8 * 4}
+
+
 def test_gated_delta_quick_via_run_all():
     # Through run_all (a subprocess per script), so the runner itself is exercised too.
     proc = subprocess.run(

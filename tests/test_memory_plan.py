@@ -108,4 +108,4 @@ def test_memory_plan_command_prints_every_stage(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| stage")]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["stage1 align", "stage3 long"], r.stdout
-    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}" in r.stdout and rows[1].count("| yes |") == 1
+    assert "mesh {'data': 2, 'fsdp': 2, 'sequence': 1, 'tensor': 1}" in r.stdout and rows[1].count("| yes |") == 1

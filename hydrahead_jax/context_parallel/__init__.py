@@ -4,8 +4,15 @@ The functions here run per device inside ``jax.shard_map`` (``hydrahead_jax.mode
 with a layout naming "sequence"), with the sequence mesh axes as the axis name of their collectives.
 
 - ``layout``: which tokens each device holds (contiguous or load-balanced zig-zag chunks).
+- ``attention``: causal softmax attention of the FA heads (``sequence_parallel_attention``: all-gather or ring).
+- ``gated_delta``: the Gated DeltaNet heads' rule (states folded across devices) and causal conv (halo).
 """
 
+from hydrahead_jax.context_parallel.attention import sequence_parallel_attention
+from hydrahead_jax.context_parallel.gated_delta import (
+    sequence_parallel_causal_conv,
+    sequence_parallel_gated_delta_rule,
+)
 from hydrahead_jax.context_parallel.layout import (
     LAYOUTS,
     MODEL_LAYOUT,
@@ -26,4 +33,7 @@ __all__ = [
     "from_layout",
     "shard_chunks",
     "to_layout",
+    "sequence_parallel_attention",
+    "sequence_parallel_causal_conv",
+    "sequence_parallel_gated_delta_rule",
 ]

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cap on what one computation may add to memory (e.g. 8GB); default: what is free now",
     )
+    p.add_argument(
+        "--mesh-sequence",
+        type=int,
+        default=1,
+        help="context parallelism: split each prompt's prefill over this many devices (prompt rows over the rest); "
+        "decoding continues from the filled cache. Default 1 (one device)",
+    )
     p.add_argument("--haystack", default=None, help="text file used as NIAH filler (default: the Wikipedia extract)")
     p.add_argument(
         "--text",
@@ -85,7 +92,7 @@ def settings_from_args(args) -> Settings:
             raise SuiteError(f"--depths {args.depths!r}: write fractions like 0,0.5,1.") from None
         if not depths or any(not 0 <= d <= 1 for d in depths):
             raise SuiteError(f"--depths {args.depths!r}: every depth must lie in [0, 1].")
-    for flag in ("samples", "ppl_windows", "decode_steps"):
+    for flag in ("samples", "ppl_windows", "decode_steps", "mesh_sequence"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SuiteError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     texts = None
@@ -109,6 +116,7 @@ def settings_from_args(args) -> Settings:
         seed=args.seed,
         needle_type=args.needle_type,
         memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        mesh_sequence=args.mesh_sequence,
         haystack=args.haystack,
         texts=texts,
     )

@@ -9,10 +9,19 @@ anything is allocated, and prefill and decode are timed separately. The token lo
 Memory accounting: ``need_bytes = argument + output + temp − alias`` of the compiled executable (XLA's own
 buffer assignment). Parameters are among the arguments and already resident, so ``extra_bytes`` (need minus the
 parameters) is what running it adds.
+
+Context parallelism (``Runner(mesh=...)`` with a ``sequence`` axis of n > 1, ``eval.py --mesh-sequence n``): the
+parameters are placed on the mesh by the logical-axis rules and every executable is compiled and run under it, so a
+prefill (and a perplexity forward) splits the prompt's tokens over the n devices (``Transformer.hidden_states``)
+and decoding runs unsplit over ``sequence`` from the filled cache (a decode step has one token). A prompt of T
+tokens is prefilled up to its largest multiple of 2n, T' = T − (T mod 2n) (a prefill must not write end-padding into
+the cache), and its last T − T' tokens are fed as decode steps: the same cache and last-position logits as one
+prefill of T tokens. Memory figures are then per device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -132,12 +141,20 @@ class Runner:
 
     ``memory_limit`` (bytes, optional) caps what a computation may add beyond the resident parameters; by
     default the limit is the free memory reported by ``available_memory_bytes()`` at the time of the check.
+    ``mesh`` (optional): run under this device mesh (context parallelism over its ``sequence`` axis; module doc).
     """
 
-    def __init__(self, model: nnx.Module, *, memory_limit: int | None = None, logits_chunk: int = 1024):
+    def __init__(self, model: nnx.Module, *, memory_limit: int | None = None, logits_chunk: int = 1024, mesh=None):
         self.model = model
+        self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
-        self.param_bytes = _tree_bytes(self.state)
+        if mesh is None:
+            self.param_bytes = _tree_bytes(self.state)
+        else:
+            from hydrahead_jax.training.sharding import state_shardings  # only with a mesh: loading needs no training
+
+            self.state = jax.device_put(nnx.as_pure(self.state), state_shardings(self.state, mesh))
+            self.param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
         # models of one structure (a teacher and its same-shaped copies) share compiled executables
         self._signature = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(self.state))
         self.memory_limit = memory_limit
@@ -178,10 +195,11 @@ class Runner:
         if key in self._refused:
             raise OutOfMemory(self._refused[key])
         if key not in self._compiled:
-            shared = (self.graphdef, self._signature, key)
+            shared = (self.graphdef, self._signature, self.mesh, key)
             try:
                 if shared not in _EXECUTABLES:
-                    _EXECUTABLES[shared] = fn.lower(self.graphdef, *args).compile()
+                    with self._on_mesh():
+                        _EXECUTABLES[shared] = fn.lower(self.graphdef, *args).compile()
                 compiled = _EXECUTABLES[shared]
                 need = self._check(f"{key[0]} {key[1:]}", compiled)
             except OutOfMemory as err:
@@ -195,9 +213,21 @@ class Runner:
             self._compiled[key] = (compiled, need)
         return self._compiled[key]
 
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    @property
+    def sequence_parts(self) -> int:
+        """Prefill lengths must be multiples of this: 2n under context parallelism over n devices, else 1."""
+        n = 1 if self.mesh is None else int(self.mesh.shape.get("sequence", 1))
+        return 2 * n if n > 1 else 1
+
     def _call(self, compiled, *args):
+        if self.mesh is not None:  # inputs (the cache a prefill returned, host arrays) where the executable wants them
+            args = jax.device_put(args, compiled.input_shardings[0])
         try:
-            return jax.block_until_ready(compiled(*args))
+            with self._on_mesh():
+                return jax.block_until_ready(compiled(*args))
         except Exception as err:
             if is_allocation_error(err):
                 raise OutOfMemory(f"allocation failed while running: {str(err)[:300]}") from err
@@ -215,7 +245,8 @@ class Runner:
 
     def check_fits(self, batch: int, length: int, cache_len: int) -> None:
         """Compile prefill and decode for these shapes; raises OutOfMemory before allocating anything big."""
-        self.prefill_executable(batch, length, cache_len)
+        if length - length % self.sequence_parts:
+            self.prefill_executable(batch, length - length % self.sequence_parts, cache_len)
         self.decode_executable(batch, cache_len)
 
     # -- generation --------------------------------------------------------------------------------------
@@ -231,11 +262,15 @@ class Runner:
         cache_len = cache_len or cache_len_for(t + max_new_tokens)
         if cache_len < t + max_new_tokens:
             raise ValueError(f"cache_len={cache_len} cannot hold {t} prompt + {max_new_tokens} new tokens.")
-        prefill, prefill_bytes = self.prefill_executable(b, t, cache_len)
+        head = t - t % self.sequence_parts  # the prefilled tokens; the rest are fed as decode steps (module doc)
+        prefill, prefill_bytes = self.prefill_executable(b, head, cache_len) if head else (None, None)
         decode, decode_bytes = self.decode_executable(b, cache_len)
         cache = self.model.init_cache(b, cache_len)
         start = time.perf_counter()
-        logits, cache = self._call(prefill, self.state, jnp.asarray(ids), cache)
+        if head:
+            logits, cache = self._call(prefill, self.state, jnp.asarray(ids[:, :head]), cache)
+        for i in range(head, t):
+            logits, cache = self._call(decode, self.state, jnp.asarray(ids[:, i]), cache)
         prefill_s = time.perf_counter() - start
         times = []
 

@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -85,6 +86,7 @@ class Settings:
     seed: int = 0
     needle_type: str = "number"
     memory_limit: int | None = None
+    mesh_sequence: int = 1  # > 1: prefills split each prompt's tokens over this many devices (context parallelism)
     haystack: str | None = None
     texts: dict | None = None
     corpus: dict | None = None  # training corpus settings (source, validation_fraction, …) for the val split
@@ -126,6 +128,21 @@ class Unit:
         return (self.model.name, self.task, self.source, self.length)
 
 
+def eval_mesh(sequence: int):
+    """None (one device, today's path) for ``sequence`` = 1; else a mesh of every device with tokens split over
+    ``sequence`` of them (context-parallel prefill) and prompt rows over the rest (``data``)."""
+    if sequence == 1:
+        return None
+    from hydrahead_jax.training.sharding import ShardingError, make_mesh
+
+    try:
+        return make_mesh(data=-1, sequence=sequence)
+    except ShardingError as err:
+        raise SuiteError(
+            f"--mesh-sequence {sequence}: {err} Fix: a --mesh-sequence that divides the {jax.device_count()} devices."
+        ) from None
+
+
 class Suite:
     """Runs ``settings`` on ``models``; ``teacher`` (an EvalModel, optional) is the agreement reference when no
     model of kind "teacher" is among ``models``."""
@@ -143,9 +160,10 @@ class Suite:
             corpus=settings.corpus,
         )
         self.teacher = teacher or next((m for m in models if m.is_teacher), None)
-        self.runners = {m.name: Runner(m.model, memory_limit=settings.memory_limit) for m in models}
+        mesh = eval_mesh(settings.mesh_sequence)
+        self.runners = {m.name: Runner(m.model, memory_limit=settings.memory_limit, mesh=mesh) for m in models}
         if self.teacher is not None and self.teacher.name not in self.runners:
-            self.runners[self.teacher.name] = Runner(self.teacher.model, memory_limit=settings.memory_limit)
+            self.runners[self.teacher.name] = Runner(self.teacher.model, memory_limit=settings.memory_limit, mesh=mesh)
         self.samples: list[dict] = []
         self.text_parts: dict = defaultdict(lambda: defaultdict(list))
         self.efficiency: list[dict] = []

@@ -86,8 +86,9 @@ class HydraHeadAttention(Attention):
         fa_groups: tuple[int, ...],
         hybrid_cfg: HybridConfig | None = None,
         attention_impl: str = "auto",
+        context_parallel: str = "allgather",
     ):
-        super().__init__(cfg, rngs=rngs, attention_impl=attention_impl)
+        super().__init__(cfg, rngs=rngs, attention_impl=attention_impl, context_parallel=context_parallel)
         all_groups = tuple(range(cfg.num_kv_heads))
         self.fa_groups = tuple(sorted(int(g) for g in fa_groups))
         bad = [g for g in self.fa_groups if not 0 <= g < cfg.num_kv_heads]

@@ -35,6 +35,7 @@ def build_model(
             fa_groups=tuple(head_map.fa_groups[i]),
             hybrid_cfg=hybrid_cfg,
             attention_impl=hybrid_cfg.attention_implementation,
+            context_parallel=hybrid_cfg.attention_context_parallel,
         )
 
     return Transformer(cfg, rngs=rngs, attention_factory=factory)

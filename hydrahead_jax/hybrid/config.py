@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from hydrahead_jax.config import ConfigError
+from hydrahead_jax.context_parallel.attention import MODES as CONTEXT_PARALLEL_MODES
 from pallas_kernels.dispatch import IMPLEMENTATIONS
 
 FUSIONS = ("none", "la_only", "both")
@@ -29,6 +30,9 @@ class HybridConfig:
     fusion_granularity: one learnable γ per head ("head") or per head channel ("channel").
     gdn_chunk_size: chunk length of the chunked gated delta rule (prefill / training).
     gdn_implementation, attention_implementation: backend names passed to the kernels.
+    attention_context_parallel: how the FA groups get their keys when the sequence is split over the ``sequence``
+        mesh axis: "allgather" (gather the FA groups' K/V; cheap at 7:1) or "ring" (K/V blocks travel around the
+        devices, one at a time). Unused without a sequence axis.
     """
 
     use_conv: bool = True
@@ -40,6 +44,7 @@ class HybridConfig:
     gdn_chunk_size: int = 64
     gdn_implementation: str = "auto"
     attention_implementation: str = "auto"
+    attention_context_parallel: str = "allgather"
 
     def __post_init__(self):
         for field in ("use_conv", "use_output_gate", "la_rope"):
@@ -68,6 +73,11 @@ class HybridConfig:
         for field in ("gdn_implementation", "attention_implementation"):
             if getattr(self, field) not in IMPLEMENTATIONS:
                 raise ConfigError(f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {IMPLEMENTATIONS}.")
+        if self.attention_context_parallel not in CONTEXT_PARALLEL_MODES:
+            raise ConfigError(
+                f"HybridConfig.attention_context_parallel={self.attention_context_parallel!r}; "
+                f"choose one of {CONTEXT_PARALLEL_MODES}."
+            )
 
     def replace(self, **changes) -> HybridConfig:
         return dataclasses.replace(self, **changes)

@@ -35,8 +35,25 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.context_parallel.gated_delta import (
+    sequence_parallel_causal_conv,
+    sequence_parallel_gated_delta_rule,
+)
+from hydrahead_jax.context_parallel.layout import MODEL_LAYOUT
 from hydrahead_jax.hybrid.config import HybridConfig
-from hydrahead_jax.models.kernel_sharding import BH, BHD, BHKV, BT, BTH, BTHD, kernel_call
+from hydrahead_jax.models.kernel_sharding import (
+    BH,
+    BHD,
+    BHKV,
+    BS,
+    BSH,
+    BSHD,
+    BT,
+    BTH,
+    BTHD,
+    kernel_call,
+    sequence_axes,
+)
 from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
@@ -241,12 +258,57 @@ class GatedDeltaNetHeads(nnx.Module):
         splits = np.cumsum([x.shape[2] * x.shape[3] for x in (q, k)]).tolist()
         weights = jnp.split(self.conv_weight[...], splits, axis=1)
         states = [None] * 3 if state is None else jnp.split(state, splits, axis=2)
+        axes = sequence_axes() if q.shape[1] > 1 else ()
+        if axes:
+            return self._sequence_parallel_conv((q, k, v), weights, states, segment_ids, axes)
         outs, new_states = [], []
         for x, w, st in zip((q, k, v), weights, states):
             y, st = causal_depthwise_conv(x.reshape(x.shape[0], x.shape[1], -1), w, st, segment_ids)
             outs.append(y.reshape(x.shape))
             new_states.append(st)
         return (*outs, jnp.concatenate(new_states, axis=-1))
+
+    def _sequence_parallel_conv(self, qkv, weights, states, segment_ids, axes):
+        """``conv`` with the time axis split over the sequence mesh ``axes`` (tokens in ``MODEL_LAYOUT`` order):
+        each device convolves its chunks with the halo from the chunks before them
+        (``context_parallel.sequence_parallel_causal_conv``). Weights and states are viewed per head
+        ([W, H, D], [B, W−1, H, D]) so a head split over ``tensor`` keeps its own channels."""
+        b, width = qkv[0].shape[0], weights[0].shape[0]
+        heads = [x.shape[2:] for x in qkv]
+        weights = [w.reshape(width, *hd) for w, hd in zip(weights, heads)]
+        states = [None if st is None else st.reshape(b, width - 1, *hd) for st, hd in zip(states, heads)]
+        per_head_state = ("batch", None, "heads", None)
+
+        def per_device(q, k, v, wq, wk, wv, sq, sk, sv, segment_ids):
+            outs = []
+            for x, w, st in ((q, wq, sq), (k, wk, sk), (v, wv, sv)):
+                y, st = sequence_parallel_causal_conv(
+                    x.reshape(*x.shape[:2], -1),
+                    w.reshape(width, -1),
+                    None if st is None else st.reshape(*st.shape[:2], -1),
+                    segment_ids,
+                    axis_name=axes,
+                    layout=MODEL_LAYOUT,
+                )
+                outs.append((y.reshape(x.shape), st.reshape(st.shape[0], width - 1, *x.shape[2:])))
+            return tuple(outs)
+
+        outs = kernel_call(
+            per_device,
+            *qkv,
+            *weights,
+            *states,
+            segment_ids,
+            in_axes=(
+                (BSHD,) * 3
+                + ((None, "heads", None),) * 3
+                + tuple(None if st is None else per_head_state for st in states)
+                + (None if segment_ids is None else BS,)
+            ),
+            out_axes=((BSHD, per_head_state),) * 3,
+        )
+        new_state = jnp.concatenate([st.reshape(b, width - 1, -1) for _, st in outs], axis=-1)
+        return (*(y for y, _ in outs), new_state)
 
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""
@@ -310,6 +372,20 @@ class GatedDeltaNetHeads(nnx.Module):
                 implementation=hc.gdn_implementation,
             )
             initial_state = None if cache is None else cache["gdn_state"]
+            # Context parallelism (the time axis split over the sequence mesh axes, tokens in MODEL_LAYOUT
+            # order): each device runs the rule on its chunks and takes its incoming states from the others.
+            axes = sequence_axes() if q.shape[1] > 1 else ()
+            if axes:
+                chunked = functools.partial(
+                    sequence_parallel_gated_delta_rule,
+                    axis_name=axes,
+                    layout=MODEL_LAYOUT,
+                    output_final_state=cache is not None,
+                    use_qk_l2norm=True,
+                    chunk_size=hc.gdn_chunk_size,
+                    implementation=hc.gdn_implementation,
+                )
+            tokens, scalars, ids = (BSHD, BSH, BS) if axes else (BTHD, BTH, BT)
 
             def rule(q, k, v, g, beta, state, segment_ids):
                 return chunked(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids)
@@ -319,15 +395,15 @@ class GatedDeltaNetHeads(nnx.Module):
                     backward_after_cotangent(rule),
                     *(q, k, v, g, beta, initial_state, segment_ids),
                     in_axes=(
-                        BTHD,
-                        BTHD,
-                        BTHD,
-                        BTH,
-                        BTH,
+                        tokens,
+                        tokens,
+                        tokens,
+                        scalars,
+                        scalars,
                         None if cache is None else BHKV,
-                        None if segment_ids is None else BT,
+                        None if segment_ids is None else ids,
                     ),
-                    out_axes=(BTHD, None if cache is None else BHKV),
+                    out_axes=(tokens, None if cache is None else BHKV),
                 )
         if cache is not None:
             new_cache["gdn_state"] = state

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.models.kernel_sharding import BT, BTHD, kernel_call
+from hydrahead_jax.context_parallel.attention import check_mode, sequence_parallel_attention
+from hydrahead_jax.context_parallel.layout import MODEL_LAYOUT, from_layout
+from hydrahead_jax.models.kernel_sharding import BS, BSHD, BT, BTHD, kernel_call, sequence_axes
 from hydrahead_jax.models.layers import RMSNorm, apply_rope, dense
 from pallas_kernels.flash_attention import flash_attention
 
@@ -131,11 +134,23 @@ class HeadProbe:
 
 
 class Attention(nnx.Module):
-    """Teacher attention: q/k/v projections (+ Qwen2 biases, Qwen3 q/k RMSNorm), RoPE, GQA softmax, o_proj."""
+    """Teacher attention: q/k/v projections (+ Qwen2 biases, Qwen3 q/k RMSNorm), RoPE, GQA softmax, o_proj.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto"):
+    attention_impl: the ``flash_attention`` backend. context_parallel: how softmax attention gets its keys when the
+    tokens are split over the ``sequence`` mesh axis ("allgather" or "ring"; ``sequence_parallel_attention``).
+    """
+
+    # Under a sequence mesh the block hands this module its row in the sharded token order (the model's
+    # ``SHARDED_ORDER_ATTR``): full_attention and the GDN heads run their context-parallel kernels on it.
+    takes_sharded_order = True
+
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto", context_parallel: str = "allgather"
+    ):
+        check_mode(context_parallel)
         self.cfg = cfg
         self.attention_impl = attention_impl
+        self.context_parallel = context_parallel
         kw = dict(rngs=rngs, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_dtype)
         d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = dense(d, h * hd, ("embed", "heads"), use_bias=cfg.attention_bias, **kw)
@@ -179,14 +194,40 @@ class Attention(nnx.Module):
         under a mesh: ``kernel_call``); a decode step (T == 1) writes its k/v at ``cache_index`` and attends to the
         cache. ``segment_ids`` [B,T] (packed documents, no cache): a token attends only to the earlier tokens of
         its own segment.
+
+        Context parallelism (``sequence_axes()`` non-empty and T > 1): q/k/v are in the sharded token order
+        (``MODEL_LAYOUT``) and ``sequence_parallel_attention`` runs per device with ``self.context_parallel``; the
+        outputs stay in that order, and a cache is filled with the keys/values in natural order, as unsharded.
         """
         t = q.shape[1]
+        axes = sequence_axes() if t > 1 else ()
         if cache is not None:
-            new_k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, 1)
-            new_v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, 1)
+            k_new, v_new = k, v
+            if axes:  # the cache is not split over the sequence: it holds the tokens in natural order
+                mesh = jax.sharding.get_abstract_mesh()
+                n = math.prod(mesh.shape[a] for a in axes)
+                k_new, v_new = from_layout(k, n, MODEL_LAYOUT), from_layout(v, n, MODEL_LAYOUT)
+            new_k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_new.astype(cache["k"].dtype), cache_index, 1)
+            new_v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_new.astype(cache["v"].dtype), cache_index, 1)
             cache = {**cache, "k": new_k, "v": new_v}
             if t == 1:
                 return cached_attention(q, new_k, new_v, cache_index + t, self.scale), cache
+        if axes:
+            kernel = functools.partial(
+                sequence_parallel_attention,
+                axis_name=axes,
+                layout=MODEL_LAYOUT,
+                mode=self.context_parallel,
+                scale=self.scale,
+                implementation=self.attention_impl,
+            )
+            out = kernel_call(
+                kernel,
+                *(q, k, v, segment_ids),
+                in_axes=(BSHD, BSHD, BSHD, None if segment_ids is None else BS),
+                out_axes=BSHD,
+            )
+            return out, cache
         kernel = functools.partial(flash_attention, causal=True, scale=self.scale, implementation=self.attention_impl)
         out = kernel_call(
             lambda q, k, v, segment_ids: kernel(q, k, v, segment_ids=segment_ids),
@@ -211,6 +252,10 @@ class Attention(nnx.Module):
         ``segment_ids`` [B,T]: packed documents (see ``check_segments``); ``positions`` are then per document.
         """
         check_segments(segment_ids, cache, probe)
+        if probe is not None and x.shape[1] > 1 and sequence_axes():
+            raise ValueError(
+                "head-selection probes run unsharded: trace them without a sequence mesh axis (mesh sequence=1)."
+            )
         q, k, v = self.project(x, positions)
         if probe is None:
             return self.full_attention(q, k, v, cache, cache_index, segment_ids)

@@ -6,10 +6,15 @@
     logits = RMSNorm(h_L) · Wᵀ_out                 (W_out = the embedding when tied)
 
 Layers are a Python list, not a scan: a HydraHead student gives each layer its own static set of FA groups.
+
+Context parallelism (a mesh whose ``sequence`` axes split the tokens of a row over n devices): the layers run on
+the row in the load-balanced sharded token order (``hydrahead_jax.context_parallel.layout``, ``MODEL_LAYOUT``);
+``Transformer.hidden_states`` permutes the token ids in and the hidden states out (see there).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +22,86 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.context_parallel.layout import MODEL_LAYOUT, chunks_per_shard, from_layout, to_layout
 from hydrahead_jax.models.attention import Attention, HeadProbe
 from hydrahead_jax.models.hf_layout import hf_tensors
+from hydrahead_jax.models.kernel_sharding import sequence_axes
 from hydrahead_jax.models.layers import MLP, RMSNorm, param_init
+from hydrahead_jax.sharding_rules import mesh_axes_for
 
 AttentionFactory = Callable[[int, nnx.Rngs], nnx.Module]
+
+# An attention module whose class sets this attribute to True runs on a row in the sharded token order itself
+# (context-parallel kernels: ``hydrahead_jax.context_parallel``). Any other module is called on the natural order:
+# the block gathers its input back to natural order and its output to the sharded order (correct for every module,
+# at the cost of moving the activations).
+SHARDED_ORDER_ATTR = "takes_sharded_order"
+
+
+def sequence_shards(length: int) -> int:
+    """n, the number of devices the tokens of a row of ``length`` are split over under the ambient mesh: the
+    product of the sizes of ``sequence_axes()`` for a row of more than one token, else 1 (decode steps, T = 1,
+    never use context parallelism)."""
+    axes = sequence_axes()
+    if length == 1 or not axes:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def sequence_parts(length: int) -> int:
+    """Equal chunks a row of ``length`` is cut into under the ambient mesh (2n in the zig-zag order; 1 without
+    context parallelism). Rows the model runs must be a multiple of it (``hidden_states`` end-pads otherwise)."""
+    n = sequence_shards(length)
+    return 1 if n == 1 else n * chunks_per_shard(MODEL_LAYOUT)
+
+
+def to_model_order(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """Natural token order → the order the layers run in over n sequence shards (identity for n = 1)."""
+    return x if n == 1 else to_layout(x, n, MODEL_LAYOUT, axis)
+
+
+def from_model_order(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """Inverse of ``to_model_order``."""
+    return x if n == 1 else from_layout(x, n, MODEL_LAYOUT, axis)
+
+
+def constrain_tokens(x: jax.Array) -> jax.Array:
+    """x [B, T, ...] with its rows over the batch mesh axes (where B divides) and its tokens over the sequence
+    axes: the placement of the model's activations under context parallelism (T is a multiple of the sequence
+    axes' size here). A no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    free = {a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual}
+    rows: list[str] = []
+    for axis in mesh_axes_for("batch"):
+        if axis in free and x.shape[0] % int(np.prod([mesh.shape[a] for a in (*rows, axis)])) == 0:
+            rows.append(axis)
+    tokens = sequence_axes()
+    spec = PartitionSpec(tuple(rows) or None, tokens or None, *(None,) * (x.ndim - 2))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def call_attention(
+    attention: nnx.Module, x: jax.Array, positions: jax.Array, *args, segment_ids=None, remat: bool = False, **kwargs
+):
+    """``attention(x, positions, *args, segment_ids=segment_ids, **kwargs)`` on a row in the model's token order
+    (``remat``: through ``remat_call``).
+
+    Under context parallelism (x's tokens in the sharded order over n > 1 shards) a module that does not declare
+    ``SHARDED_ORDER_ATTR`` gets the natural order: x, positions and segment ids are permuted back, its output
+    forward again (its cache, filled in natural order, is returned as it is)."""
+    run = functools.partial(remat_call, attention) if remat else attention
+    n = sequence_shards(x.shape[1])
+    if n == 1 or getattr(attention, SHARDED_ORDER_ATTR, False):
+        return run(x, positions, *args, segment_ids=segment_ids, **kwargs)
+    natural = lambda a: None if a is None else from_model_order(a, n)  # noqa: E731
+    out, cache = run(natural(x), natural(positions), *args, segment_ids=natural(segment_ids), **kwargs)
+    return constrain_tokens(to_model_order(out, n)), cache
 
 
 class Block(nnx.Module):
@@ -48,7 +126,9 @@ class Block(nnx.Module):
         """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``;
         ``segment_ids``: see ``Transformer.hidden_states``."""
         attn_in = self.input_layernorm(h)
-        attn_out, cache = self.self_attn(attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids)
+        attn_out, cache = call_attention(
+            self.self_attn, attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids
+        )
         if intermediates is not None:
             intermediates.setdefault("attn_inputs", []).append(attn_in)
             intermediates.setdefault("attn_outputs", []).append(attn_out)
@@ -80,10 +160,13 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         attention_factory: AttentionFactory | None = None,
         attention_impl: str = "auto",
+        context_parallel: str = "allgather",
     ):
         self.cfg = cfg
         if attention_factory is None:
-            attention_factory = lambda i, r: Attention(cfg, rngs=r, attention_impl=attention_impl)  # noqa: E731
+            attention_factory = lambda i, r: Attention(  # noqa: E731
+                cfg, rngs=r, attention_impl=attention_impl, context_parallel=context_parallel
+            )
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -127,6 +210,21 @@ class Transformer(nnx.Module):
         index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
         ``remat`` (training): each layer is rematerialised in the backward pass (`remat_call`), so only the layer
         inputs [B,T,d] are kept between forward and backward instead of every layer's intermediates.
+
+        Context parallelism (T > 1 under a mesh whose sequence axes have n = ∏ sizes > 1, ``sequence_shards``):
+        the row is end-padded to T' = ⌈T / 2n⌉·2n tokens, then the int inputs (ids, positions, segment ids) are
+        permuted into the sharded order π (``MODEL_LAYOUT``: device i holds natural chunks i and 2n−1−i of
+        c = T'/2n tokens), the embedding's token dimension is placed over the sequence axes, and the layers run:
+
+            h_π = Layers(embed(ids_π), positions_π, segment_ids_π),     h = π⁻¹(h_π)[:, :T]
+
+        Every layer is token-wise except attention, which sees each token's true position and document, so
+        π⁻¹ ∘ Layers ∘ π = Layers; the padding lies after every real token and a causal layer's output at t reads
+        only tokens ≤ t, so it changes nothing before it. The returned hidden states and every ``intermediates``
+        entry are in natural order, unpadded. Permuting the [B,T] int arrays instead of activations costs nothing;
+        the one [B,T,d] permutation is of the final hidden states. A cache stays in natural order and unsplit (the
+        attention modules fill it so); a prefill whose T is not a multiple of 2n is refused (the padding would be
+        written into the cache). Without a sequence mesh (or for T = 1) this is exactly the unsharded code path.
         """
         if remat and (cache is not None or intermediates is not None):
             raise ValueError(
@@ -141,7 +239,21 @@ class Transformer(nnx.Module):
         if positions is None:
             start = 0 if cache is None else cache_index
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        h = self.embed_tokens(input_ids)
+        n = sequence_shards(t)
+        pad = -t % sequence_parts(t)
+        if pad and cache is not None:
+            raise ValueError(
+                f"a prefill of {t} tokens under context parallelism over {n} sequence devices must be a multiple of "
+                f"{sequence_parts(t)} tokens (end-padding would be written into the cache). Fix: prefill the first "
+                f"{t - t % sequence_parts(t)} tokens and feed the last {t % sequence_parts(t)} as decode steps "
+                "(hydrahead_jax.evaluation.runner does), or run without a sequence mesh."
+            )
+        if n > 1:
+            end_pad = lambda x: jnp.pad(x, ((0, 0), (0, pad)))  # noqa: E731  (any values: nothing real reads them)
+            input_ids, positions = to_model_order(end_pad(input_ids), n), to_model_order(end_pad(positions), n)
+            segment_ids = None if segment_ids is None else to_model_order(end_pad(segment_ids), n)
+        h = constrain_tokens(self.embed_tokens(input_ids)) if n > 1 else self.embed_tokens(input_ids)
+        recorded = {k: len(v) for k, v in (intermediates or {}).items()}
         new_layers = []
         for i, layer in enumerate(self.layers):
             if remat:
@@ -151,6 +263,11 @@ class Transformer(nnx.Module):
             h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates, segment_ids=segment_ids)
             new_layers.append(layer_cache)
         h = self.norm(h)
+        if n > 1:
+            natural = lambda x: from_model_order(x, n)[:, :t]  # noqa: E731
+            h = natural(h)
+            for key, values in (intermediates or {}).items():
+                values[recorded.get(key, 0) :] = [natural(x) for x in values[recorded.get(key, 0) :]]
         new_cache = None if cache is None else {"index": cache_index + t, "layers": new_layers}
         return h, new_cache
 

@@ -50,6 +50,7 @@ RESUME_SAFE_SECTION_KEYS = {
     "teacher": ("source",),  # where the checkpoint is mounted; the fingerprint holds its ModelConfig instead
     "data": ("num_threads", "prefetch"),  # loader threads and read-ahead
     "selection": ("head_map_path", "preset"),  # the map is copied into the workdir; the preset's values are kept
+    "hybrid": ("attention_context_parallel",),  # how FA heads get their keys across devices: same values
     **{s.config_key: ("checkpoint_every", "keep_checkpoints") for s in STAGES},
 }
 # What may change to continue a run with other settings (the run goes on from its checkpoints, no --force_new):

@@ -16,6 +16,10 @@ with the rows of one micro-batch (activations dominate them), the rest does not,
 
 an estimate (the logits tile and the gradient buffers do not shrink with M'): ``scripts/memory_plan.py`` compiles
 the candidates and reports the real figure.
+
+Context parallelism (``mesh.sequence`` = n > 1) splits each row's tokens over n devices, so the activations one
+device keeps scale with (rows per data-parallel device) × seq_len / n; the plan compiles the step under the same
+mesh as the trainer (``plan_stage``), so the figure includes that split and the collectives' buffers.
 """
 
 from __future__ import annotations
@@ -120,12 +124,14 @@ def check_fits(
     if suggestion is not None:
         fix = (
             f"set {where}.micro_batches={suggestion} (estimated; confirm with scripts/memory_plan.py), or lower "
-            f"{where}.loss_chunk_rows / loss_chunk, turn on {where}.remat, or shard over more fsdp devices"
+            f"{where}.loss_chunk_rows / loss_chunk, turn on {where}.remat, shard over more fsdp devices, or split "
+            "each row's tokens over more devices (config.mesh.sequence)"
         )
     else:
         fix = (
             f"even micro_batches={batch_size // data_parallel} (one row per device) is estimated not to fit: shard "
-            f"over more fsdp devices, turn on {where}.remat, lower {where}.seq_len or loss_chunk"
+            f"over more fsdp devices, split each row's tokens over more devices (config.mesh.sequence: activations "
+            f"scale with seq_len / sequence), turn on {where}.remat, lower {where}.seq_len or loss_chunk"
         )
     raise MemoryBudgetError(
         f"{where}: the compiled step needs {memory.peak / GiB:.2f} GiB per device but the device has "
@@ -206,5 +212,6 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
         model_params=layout.model_params,
         batch_sharding=layout.batch_sharding,
     )
-    compiled = jit_train_step(step, layout, t_shardings).lower(layout.abstract_state, t_abstract, batch).compile()
+    with jax.set_mesh(mesh):  # traced as the trainer traces it: kernels and context parallelism see the mesh
+        compiled = jit_train_step(step, layout, t_shardings).lower(layout.abstract_state, t_abstract, batch).compile()
     return StepMemory.from_compiled(compiled)

@@ -188,6 +188,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
+    run.check_sequence_split(int(mesh.shape["sequence"]))  # mesh.sequence=-1 (fill) is known only now
     print(
         f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) of {jax.process_count()} process(es)", flush=True
     )

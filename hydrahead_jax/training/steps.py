@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hydrahead_jax.models.transformer import remat_call
+from hydrahead_jax.models.transformer import call_attention, sequence_shards, to_model_order
 from hydrahead_jax.run_config import STAGES
 from hydrahead_jax.training import losses
 from hydrahead_jax.training import sharding as shd
@@ -99,12 +99,13 @@ def compute_loss(
     if settings.kind == "align":
         inter: dict[str, list] = {}
         teacher.hidden_states(ids, positions=positions, segment_ids=segment_ids, intermediates=inter)
-        t_in = [jax.lax.stop_gradient(x) for x in inter["attn_inputs"]]
-        t_out = [jax.lax.stop_gradient(y) for y in inter["attn_outputs"]]
-        attns = [layer.self_attn for layer in student.layers]
-        if settings.remat:
-            attns = [functools.partial(remat_call, attn) for attn in attns]
-        total, per_layer = losses.align_loss(attns, t_in, t_out, positions, mask, segment_ids)
+        # Under context parallelism the student's attention runs in the model's sharded token order (the teacher
+        # returned natural order); the masked mean over tokens does not depend on their order.
+        n = sequence_shards(ids.shape[1])
+        order = lambda x: None if x is None else to_model_order(jax.lax.stop_gradient(x), n)  # noqa: E731
+        t_in, t_out = [order(x) for x in inter["attn_inputs"]], [order(y) for y in inter["attn_outputs"]]
+        attns = [functools.partial(call_attention, layer.self_attn, remat=settings.remat) for layer in student.layers]
+        total, per_layer = losses.align_loss(attns, t_in, t_out, order(positions), order(mask), order(segment_ids))
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
     h_s, _ = student.hidden_states(ids, positions=positions, segment_ids=segment_ids, remat=settings.remat)
