@@ -19,9 +19,12 @@ Measured, from one run:
             goal: sequence=8 needs ≤ 1/6 of sequence=1 (ratio ≥ 6x).
   time      min of --repeats calls of the compiled fwd+bwd (only up to --time-max-seq; CPU devices share the
             machine's cores, so this shows the work split, not a pod's speed-up).
-  bytes     bytes moved by collectives per fwd+bwd, from the compiled HLO: the operand sizes of every all-gather,
-            collective-permute, all-reduce, reduce-scatter and all-to-all, × the trip count of the loops they sit
-            in; goal: the 7:1 stack moves ≤ 1/4 of the teacher's (ratio ≥ 4x).
+  bytes     bytes each device sends in collectives per fwd+bwd, from the compiled HLO, with the ring algorithms'
+            costs: all-gather result − operand, reduce-scatter operand − result, all-reduce 2(n−1)/n × operand,
+            all-to-all (n−1)/n × operand, collective-permute the operand; × the trip count of the loops they sit
+            in; goal: the 7:1 stack moves ≤ 1/4 of the teacher's (ratio ≥ 4x). Also shown without the all-reduces
+            (here: the parameter gradients summed over the sequence devices, independent of T; a data-parallel
+            run reduces them anyway): the tokens' share (K/V of the FA groups, GDN chunk states, halos).
 Every ratio is computed from numbers measured in this run.
 """
 
@@ -34,6 +37,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -72,8 +76,36 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective, from its ``replica_groups`` (``mesh['s'=8] {'s'}``,
+    ``{{0,1,..}}`` or the iota form ``[groups,size]<=[..]``); None when absent."""
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:
+        sizes = dict(re.findall(r"'([\w]+)'=(\d+)", named.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([\w]+)'", named.group(2)) if a in sizes)
+    listed = re.search(r"replica_groups=\{\{([\d,\s]+)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return int(iota.group(2)) if iota else None
+
+
+def _sent_bytes(op: str, operand: int, result: int, n: int | None) -> float:
+    """Bytes one device sends for one collective, as the ring algorithms do (n: devices in its group)."""
+    if op == "all-gather":
+        return result - operand  # receives the other n−1 shards, forwards as many
+    if op == "reduce-scatter":
+        return operand - result
+    if op == "all-reduce":
+        return operand * (2 * (n - 1) / n if n else 2)  # reduce-scatter + all-gather
+    if op == "all-to-all":
+        return operand * ((n - 1) / n if n else 1)
+    return operand  # collective-permute: the operand, once
+
+
 def collective_bytes(hlo: str) -> dict[str, int]:
-    """{collective op: bytes of its operands per execution of the module} from compiled HLO text.
+    """{collective op: bytes one device sends for it per execution of the module} from compiled HLO text
+    (``_sent_bytes``).
 
     Each computation's direct collectives are summed (operand types looked up by name; an async ``-start`` counts,
     its ``-done`` does not), then the entry computation's total is accumulated through the computations it calls,
@@ -108,7 +140,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
             if base in COLLECTIVES and not op.endswith("-done"):
                 operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
                 size = sum(_shape_bytes(types.get(o, "")) for o in operands) or _shape_bytes(rtype)
-                out[base] = out.get(base, 0) + size
+                out[base] = out.get(base, 0) + _sent_bytes(base, size, _shape_bytes(rtype), _group_size(line))
             trips = 1
             if op == "while":
                 found = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
@@ -180,7 +212,8 @@ def measure(cfg, T: int, sequence: int, *, timed: bool, repeats: int, log=print)
         ma = compiled.memory_analysis()
         mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
         by_op = collective_bytes(compiled.as_text())
-        res = {"mem": mem, "bytes": sum(by_op.values()), "by_op": by_op, "time": None}
+        tokens = sum(v for k, v in by_op.items() if k != "all-reduce")
+        res = {"mem": mem, "bytes": sum(by_op.values()), "tokens": tokens, "by_op": by_op, "time": None}
         if timed:
             args = concrete()
             with jax.set_mesh(mesh):
@@ -200,7 +233,7 @@ def measure(cfg, T: int, sequence: int, *, timed: bool, repeats: int, log=print)
     weights = stack_weights(cfg)["HydraHead 7:1"]
     out["7:1"] = {
         key: (None if any(out[k][key] is None for k in weights) else sum(w * out[k][key] for k, w in weights.items()))
-        for key in ("mem", "bytes", "time")
+        for key in ("mem", "bytes", "tokens", "time")
     }
     return out
 
@@ -246,6 +279,8 @@ def main(argv=None):
                     f"{C.fmt_s(b['time'])} ({C.fmt_ratio(_ratio(a['time'], b['time']))})",
                     C.fmt_bytes(b["bytes"]),
                     C.fmt_ratio(_ratio(split["teacher"]["bytes"], b["bytes"])),
+                    C.fmt_bytes(b["tokens"]),
+                    C.fmt_ratio(_ratio(split["teacher"]["tokens"], b["tokens"])),
                 ]
             )
     header = [
@@ -255,8 +290,10 @@ def main(argv=None):
         f"memory seq={n} (1/x)",
         "time seq=1",
         f"time seq={n} (speed-up)",
-        f"collective bytes seq={n}",
-        "teacher / layer bytes",
+        f"bytes sent seq={n}",
+        "teacher / layer",
+        "without all-reduce",
+        "teacher / layer",
     ]
     body = C.markdown_table(header, rows)
     T_last = max(results)
@@ -272,6 +309,10 @@ def main(argv=None):
         ),
     ]
     body += "\n\n" + "\n".join(goals)
+    body += (
+        f"\n(without the all-reduces of parameter gradients, teacher / 7:1 = "
+        f"{C.fmt_ratio(_ratio(split['teacher']['tokens'], split['7:1']['tokens']))}: what the tokens cost)"
+    )
     C.append_results(
         "Context parallelism: one SmolLM2-shaped layer, fwd+bwd, sequence=8 vs 1 (bench_context_parallel.py)",
         body,

@@ -98,7 +98,8 @@ def test_context_parallel_quick(capsys):
 
 
 def test_collective_bytes_of_hand_written_hlo():
-    """Operand bytes by op, an async start counted once, and a while body weighted by its trip count."""
+    """Bytes sent by op (all-gather: result − operand; all-reduce over a group of 2: 2·(1/2)·operand; permute:
+    operand), an async start counted once, and a while body weighted by its trip count."""
     import bench_context_parallel
 
     hlo = """HloModule m
@@ -114,14 +115,17 @@ ENTRY %main (a: f32[2,8], /*index=1*/b: bf16[16]) -> f32[4,8] {
   %a = f32[2,8]{1,0} parameter(0)
   %b = bf16[16]{0} parameter(1)
   %ag = f32[4,8]{1,0} all-gather(%a), channel_id=2, dimensions={0}
-  %ars = bf16[16]{0} all-reduce-start(%b), channel_id=3, to_apply=%add
+  %ars = bf16[16]{0} all-reduce-start(%b), channel_id=3, replica_groups={{0,1}}, to_apply=%add
   %ard = bf16[16]{0} all-reduce-done(%ars)
   %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %r = f32[4,8]{1,0} get-tuple-element(%w), index=1
 }
 """
     got = bench_context_parallel.collective_bytes(hlo)
-    assert got == {"all-gather": 2 * 8 * 4, "all-reduce": 16 * 2, "collective-permute": 3 * 4 * 8 * 4}
+    assert got == {"all-gather": (4 - 2) * 8 * 4, "all-reduce": 16 * 2, "collective-permute": 3 * 4 * 8 * 4}
+    for groups, n in (("mesh['data'=2,'sequence'=4] {'sequence'}", 4), ("[2,4]<=[8]", 4), ("{{0,1,2,3,4,5,6,7}}", 8)):
+        line = f"%x = f32[8]{{0}} all-reduce(%a), replica_groups={groups}, to_apply=%add"
+        assert bench_context_parallel._group_size(line) == n, groups
 
 
 def test_gated_delta_quick_via_run_all():
