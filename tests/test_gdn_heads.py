@@ -18,6 +18,7 @@ from flax import nnx
 from test_hybrid_model import CFG
 
 from hydrahead_jax.hybrid import gdn as gdn_module
+from hydrahead_jax.hybrid.attention import ScaleFusion
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads, causal_depthwise_conv
 from pallas_kernels.gated_delta import chunk_gated_delta_rule
@@ -312,3 +313,33 @@ def test_output_gate_backward_runs_as_one_block_when_time_is_split(monkeypatch):
     assert has_loop(looped) and not has_loop(split)
     for got, want in zip(grads_split, grads(o, x)):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("granularity", ["head", "channel"])
+def test_scale_fusion_vjp_matches_autodiff(dtype, granularity):
+    """The fusion's hand-written VJP (the gate's without a gate) equals ``jax.vjp`` of γ ⊙ o / sqrt(mean o² + eps)
+    computed in fp32 from the same inputs, with zero rows; gradients come back in the inputs' dtypes."""
+    H, D, eps = 3, 16, 1e-5
+    fusion = ScaleFusion(tuple(range(H)), D, granularity=granularity, eps=eps, param_dtype=jnp.float32)
+    keys = jax.random.split(jax.random.key(11), 3)
+    gamma = jnp.exp(0.3 * jax.random.normal(keys[0], fusion.gamma.shape))
+    o = jax.random.normal(keys[1], (2, 13, H, D)).at[0, 4].set(0.0).at[1, 7, 2].set(0.0).astype(dtype)
+    dy = jax.random.normal(keys[2], o.shape).astype(dtype)
+    graphdef, state = nnx.split(fusion)
+    state["gamma"].set_value(gamma)
+
+    y, vjp = jax.vjp(lambda state, o: nnx.merge(graphdef, state)(o), state, o)
+    dstate, do = vjp(dy)
+
+    def reference(o, gamma):
+        g = gamma[:, None] if granularity == "head" else gamma
+        return o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * g
+
+    y_ref, vjp_ref = jax.vjp(reference, o.astype(jnp.float32), gamma)
+    do_ref, dgamma_ref = vjp_ref(dy.astype(jnp.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert y.dtype == dtype and do.dtype == dtype
+    for name, got, want in (("y", y, y_ref), ("o", do, do_ref), ("gamma", dstate["gamma"][...], dgamma_ref)):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(got.astype(jnp.float32), want, atol=tol * scale, rtol=tol, err_msg=name)

@@ -178,10 +178,14 @@ def _gate_z(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype, precision) 
     return jnp.dot(x, kernel, precision=precision) + bias
 
 
-def _gated_rms_norm_parts(o: jax.Array, z: jax.Array, eps: float):
-    """(n, silu(z), σ(z), r) in fp32: n = o · r, r = 1 / sqrt(mean_D o² + eps) per row ([..., 1])."""
-    o32, z32 = o.astype(jnp.float32), z.astype(jnp.float32)
+def _gated_rms_norm_parts(o: jax.Array, z: jax.Array | None, eps: float):
+    """(n, silu(z), σ(z), r) in fp32: n = o · r, r = 1 / sqrt(mean_D o² + eps) per row ([..., 1]); without z
+    (no gate) silu(z) and σ(z) are None."""
+    o32 = o.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + eps)
+    if z is None:
+        return o32 * r, None, None, r
+    z32 = z.astype(jnp.float32)
     s = jax.nn.sigmoid(z32)
     return o32 * r, z32 * s, s, r
 
@@ -193,15 +197,24 @@ def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) ->
     return (n * weight.astype(jnp.float32) * gate).astype(o.dtype)
 
 
-def _gated_rms_norm_grads(o, z, weight, dy, eps):
-    """(∂o in o's dtype, ∂z fp32, ∂w fp32 summed over the leading axes) of y = gated_rms_norm(o, z, w)."""
+def gated_rms_norm_grads(o, z, weight, dy, eps):
+    """VJP of y = n · w · silu(z), n = o · r, r = 1 / sqrt(mean_D o² + eps) (z None: y = n · w, no gate), with
+    g = ∂L/∂y · w and u = g · silu(z) (u = g without a gate):
+
+        ∂L/∂o = r · (u − n · mean_D(u · n)),   ∂L/∂z = g · n · σ(z) · (1 + z · (1 − σ(z))),   ∂L/∂w = Σ ∂L/∂y · n · silu(z)
+
+    → (∂o in o's dtype, ∂z fp32 or None, ∂w fp32 summed over every axis where w broadcasts). Everything is
+    recomputed from o and z: the caller's custom VJP keeps only its inputs.
+    """
     n, gate, s, r = _gated_rms_norm_parts(o, z, eps)
     dy32 = dy.astype(jnp.float32)
-    gy = dy32 * weight.astype(jnp.float32)  # ∂L/∂(n ⊙ silu(z))
-    dn = gy * gate
-    do = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
-    dz = gy * n * (s * (1.0 + z.astype(jnp.float32) * (1.0 - s)))  # silu'(z) = σ(z)(1 + z(1 − σ(z)))
-    dweight = jnp.sum(dy32 * n * gate, axis=tuple(range(dy.ndim - weight.ndim)))
+    g = dy32 * weight.astype(jnp.float32)
+    u = g if gate is None else g * gate
+    do = r * (u - n * jnp.mean(u * n, axis=-1, keepdims=True))
+    dz = None if z is None else g * n * (s * (1.0 + z.astype(jnp.float32) * (1.0 - s)))  # silu'(z)
+    lead = dy.ndim - weight.ndim
+    dweight = jnp.sum(dy32 * n if gate is None else dy32 * n * gate, axis=tuple(range(lead)))
+    dweight = jnp.sum(dweight, axis=tuple(i for i, d in enumerate(weight.shape) if d == 1), keepdims=True)
     return do.astype(o.dtype), dz, dweight
 
 
@@ -226,7 +239,7 @@ def _output_gate_bwd(eps, dtype, precision, block, res, dy):
         """(∂o, ∂x, ∂W_z, ∂b_z, ∂w) of the tokens [t0, t0 + length); ∂W_z, ∂b_z, ∂w fp32 (summed over the block)."""
         o_b, x_b, dy_b = (jax.lax.dynamic_slice_in_dim(a, t0, length, axis=1) for a in (o, x, dy))
         z_b = _gate_z(x_b, kernel, bias, dtype, precision).reshape(o_b.shape)
-        do_b, dz_b, dweight = _gated_rms_norm_grads(o_b, z_b, weight, dy_b, eps)
+        do_b, dz_b, dweight = gated_rms_norm_grads(o_b, z_b, weight, dy_b, eps)
         dz_c = dz_b.reshape(B, length, H * D).astype(dtype)  # z's cotangent in its own dtype, as autodiff has it
         dx_b = jnp.dot(dz_c, kernel_c.T, precision=precision).astype(x.dtype)
         dkernel = jnp.einsum(
