@@ -31,6 +31,8 @@ either load into the other's shared parameters.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
-from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads
+from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads, gated_rms_norm_grads
 from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache, check_segments
 from hydrahead_jax.models.layers import rms_normalize
 
@@ -69,9 +71,33 @@ class ScaleFusion(nnx.Module):
 
     def __call__(self, o: jax.Array) -> jax.Array:
         """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
-        gamma = self.gamma[...].astype(jnp.float32)
-        gamma = gamma[:, None] if self.granularity == "head" else gamma
-        return (rms_normalize(o, self.eps) * gamma).astype(o.dtype)
+        gamma = self.gamma[...]
+        return _scale_rms_norm(o, gamma[:, None] if self.granularity == "head" else gamma, self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scale_rms_norm(o: jax.Array, gamma: jax.Array, eps: float) -> jax.Array:
+    """γ ⊙ o / sqrt(mean_D o² + eps) per head, fp32 inside, in o's dtype; γ [H, 1] or [H, D].
+
+    Hand-written VJP (``gated_rms_norm_grads`` without a gate) that keeps only o (in its own dtype) and γ and
+    recomputes the normalisation: autodiff kept the fp32 normalised o from the forward to the backward next to the
+    output (which o_proj keeps), and that pair sat at the hybrid layer's peak.
+    """
+    return (rms_normalize(o, eps) * gamma.astype(jnp.float32)).astype(o.dtype)
+
+
+def _scale_rms_norm_fwd(o, gamma, eps):
+    return _scale_rms_norm(o, gamma, eps), (o, gamma)
+
+
+def _scale_rms_norm_bwd(eps, res, dy):
+    # The barrier keeps XLA from merging the recomputed normalisation with the forward's (which would keep it).
+    (o, gamma), dy = jax.lax.optimization_barrier((res, dy))
+    do, _, dgamma = gated_rms_norm_grads(o, None, gamma, dy, eps)
+    return do, dgamma.astype(gamma.dtype)
+
+
+_scale_rms_norm.defvjp(_scale_rms_norm_fwd, _scale_rms_norm_bwd)
 
 
 class HydraHeadAttention(Attention):

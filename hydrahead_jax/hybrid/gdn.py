@@ -54,7 +54,7 @@ from hydrahead_jax.models.kernel_sharding import (
     kernel_call,
     sequence_axes,
 )
-from hydrahead_jax.models.layers import apply_rope, param_init, rms_normalize
+from hydrahead_jax.models.layers import apply_rope, param_init
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
@@ -186,22 +186,112 @@ def backward_after_cotangent(fn):
     return wrapped
 
 
-@functools.cache
-def gated_rms_norm(eps: float):
-    """y = o / sqrt(mean_D o² + eps) · w · silu(z) per head, fp32 inside: ``gated_rms_norm(eps)(o, z, w)`` with
-    o, z [B,T,H,D], w [H,D]; y in o's dtype.
+GATE_BLOCK_TOKENS = 512  # tokens per block of the output gate's backward (temporaries are [B, block, H·D])
 
-    Rematerialised: the backward keeps only o, z (in their own dtype) and w, and recomputes the normalisation,
-    sigmoid and products (elementwise, cheap) instead of keeping four fp32 activations of the forward.
+
+def _gate_z(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype, precision) -> jax.Array:
+    """z = x W_z + b_z in the projection's compute dtype, as ``nnx.Linear`` computes it; [..., d] → [..., H·D]."""
+    x, kernel, bias = (a.astype(dtype) for a in (x, kernel, bias))
+    return jnp.dot(x, kernel, precision=precision) + bias
+
+
+def _gated_rms_norm_parts(o: jax.Array, z: jax.Array | None, eps: float):
+    """(n, silu(z), σ(z), r) in fp32: n = o · r, r = 1 / sqrt(mean_D o² + eps) per row ([..., 1]); without z
+    (no gate) silu(z) and σ(z) are None."""
+    o32 = o.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + eps)
+    if z is None:
+        return o32 * r, None, None, r
+    z32 = z.astype(jnp.float32)
+    s = jax.nn.sigmoid(z32)
+    return o32 * r, z32 * s, s, r
+
+
+def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = n · w · silu(z) per head, n = o / sqrt(mean_D o² + eps); o, z [..., H, D], w [H, D]; fp32 inside, y in
+    o's dtype. Plain autodiff; the layer uses ``output_gate``, whose VJP is written by hand."""
+    n, gate, _, _ = _gated_rms_norm_parts(o, z, eps)
+    return (n * weight.astype(jnp.float32) * gate).astype(o.dtype)
+
+
+def gated_rms_norm_grads(o, z, weight, dy, eps):
+    """VJP of y = n · w · silu(z), n = o · r, r = 1 / sqrt(mean_D o² + eps) (z None: y = n · w, no gate), with
+    g = ∂L/∂y · w and u = g · silu(z) (u = g without a gate):
+
+        ∂L/∂o = r · (u − n · mean_D(u · n)),   ∂L/∂z = g · n · σ(z) · (1 + z · (1 − σ(z))),   ∂L/∂w = Σ ∂L/∂y · n · silu(z)
+
+    → (∂o in o's dtype, ∂z fp32 or None, ∂w fp32 summed over every axis where w broadcasts). Everything is
+    recomputed from o and z: the caller's custom VJP keeps only its inputs.
     """
+    n, gate, s, r = _gated_rms_norm_parts(o, z, eps)
+    dy32 = dy.astype(jnp.float32)
+    g = dy32 * weight.astype(jnp.float32)
+    u = g if gate is None else g * gate
+    do = r * (u - n * jnp.mean(u * n, axis=-1, keepdims=True))
+    dz = None if z is None else g * n * (s * (1.0 + z.astype(jnp.float32) * (1.0 - s)))  # silu'(z)
+    lead = dy.ndim - weight.ndim
+    dweight = jnp.sum(dy32 * n if gate is None else dy32 * n * gate, axis=tuple(range(lead)))
+    dweight = jnp.sum(dweight, axis=tuple(i for i, d in enumerate(weight.shape) if d == 1), keepdims=True)
+    return do.astype(o.dtype), dz, dweight
 
-    @backward_after_cotangent
-    @jax.checkpoint
-    def norm(o: jax.Array, z: jax.Array, weight: jax.Array) -> jax.Array:
-        w32 = weight.astype(jnp.float32)
-        return (rms_normalize(o, eps) * w32 * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
-    return norm
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _output_gate(o, x, kernel, bias, weight, eps, dtype, precision, block):
+    z = _gate_z(x, kernel, bias, dtype, precision).reshape(o.shape)
+    return gated_rms_norm(o, z, weight, eps)
+
+
+def _output_gate_fwd(o, x, kernel, bias, weight, eps, dtype, precision, block):
+    return _output_gate(o, x, kernel, bias, weight, eps, dtype, precision, block), (o, x, kernel, bias, weight)
+
+
+def _output_gate_bwd(eps, dtype, precision, block, res, dy):
+    # The barrier (with dy) keeps XLA from merging z and the fp32 values recomputed here with the forward's, and
+    # from computing them before dy exists: either would keep [B, T, H·D] arrays alive from the forward to here.
+    (o, x, kernel, bias, weight), dy = jax.lax.optimization_barrier((res, dy))
+    B, T, H, D = o.shape
+    kernel_c = kernel.astype(dtype)
+
+    def grads_of(t0, length):
+        """(∂o, ∂x, ∂W_z, ∂b_z, ∂w) of the tokens [t0, t0 + length); ∂W_z, ∂b_z, ∂w fp32 (summed over the block)."""
+        o_b, x_b, dy_b = (jax.lax.dynamic_slice_in_dim(a, t0, length, axis=1) for a in (o, x, dy))
+        z_b = _gate_z(x_b, kernel, bias, dtype, precision).reshape(o_b.shape)
+        do_b, dz_b, dweight = gated_rms_norm_grads(o_b, z_b, weight, dy_b, eps)
+        dz_c = dz_b.reshape(B, length, H * D).astype(dtype)  # z's cotangent in its own dtype, as autodiff has it
+        dx_b = jnp.dot(dz_c, kernel_c.T, precision=precision).astype(x.dtype)
+        dkernel = jnp.einsum(
+            "btd,bte->de", x_b.astype(dtype), dz_c, precision=precision, preferred_element_type=jnp.float32
+        )
+        return do_b, dx_b, dkernel, jnp.sum(dz_c.astype(jnp.float32), axis=(0, 1)), dweight
+
+    if T <= block:
+        grads = grads_of(0, T)
+    else:
+        # The outputs are built after dy exists (a constant broadcast may be placed at program start and held
+        # through the forward); the parameter gradients are summed over the blocks in fp32.
+        zero, dy = jax.lax.optimization_barrier((jnp.zeros((), jnp.float32), dy))
+        grads = (
+            jnp.broadcast_to(zero.astype(o.dtype), o.shape),
+            jnp.broadcast_to(zero.astype(x.dtype), x.shape),
+            *(jnp.zeros(p.shape, jnp.float32) for p in (kernel, bias, weight)),
+        )
+
+        def add_block(t0, length, carry):
+            do, dx, *sums = carry
+            do_b, dx_b, *sums_b = grads_of(t0, length)
+            do = jax.lax.dynamic_update_slice_in_dim(do, do_b, t0, axis=1)
+            dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_b, t0, axis=1)
+            return (do, dx, *(a + b for a, b in zip(sums, sums_b)))
+
+        full, tail = divmod(T, block)
+        grads = jax.lax.fori_loop(0, full, lambda i, c: add_block(i * block, block, c), grads)
+        if tail:
+            grads = add_block(full * block, tail, grads)
+    do, dx, dkernel, dbias, dweight = grads
+    return do, dx, dkernel.astype(kernel.dtype), dbias.astype(bias.dtype), dweight.astype(weight.dtype)
+
+
+_output_gate.defvjp(_output_gate_fwd, _output_gate_bwd)
 
 
 class GatedDeltaNetHeads(nnx.Module):
@@ -311,13 +401,39 @@ class GatedDeltaNetHeads(nnx.Module):
         return (*(y for y, _ in outs), new_state)
 
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        """Per-head gated RMSNorm: RMSNorm(o) · w · silu(z), z = x W_z + b_z (fp32 inside)."""
-        b, t = o.shape[:2]
+        """Per-head gated RMSNorm: y = RMSNorm(o) · w · silu(z), z = x W_z + b_z (``gated_rms_norm``; fp32 inside).
+
+        VJP by hand, g = ∂L/∂y · w, n = o · r, r = 1 / sqrt(mean_D o² + eps) per head and token:
+
+            ∂L/∂o = r · (g·silu(z) − n · mean_D(g·silu(z) · n))
+            ∂L/∂z = g · n · σ(z) · (1 + z · (1 − σ(z)))          (silu'(z))
+            ∂L/∂w = Σ_{b,t} ∂L/∂y · n · silu(z)
+            ∂L/∂x = ∂L/∂z W_zᵀ,  ∂L/∂W_z = Σ_{b,t} xᵀ ∂L/∂z,  ∂L/∂b_z = Σ_{b,t} ∂L/∂z
+
+        The backward keeps only o, x (the layer input, alive anyway) and the weights, and walks the sequence in
+        blocks of ``GATE_BLOCK_TOKENS`` tokens: per block it recomputes z and r, forms the block's gradients and
+        writes ∂o, ∂x in place, summing the parameter gradients in fp32. Its temporaries are block-sized; autodiff
+        held z from the forward on and ~7 fp32 [B, T, H·D] products and cotangents at the layer's peak. With the
+        time axis split over devices (context parallelism) it runs as one block: a loop over a split axis would
+        gather the sequence.
+        """
         # z is formed after o exists: otherwise XLA computes it (and keeps it) before the delta rule, at the
         # layer's peak.
         o, x = jax.lax.optimization_barrier((o, x))
-        z = self.z_proj(x).reshape(b, t, self.num_heads, self.cfg.head_dim)
-        return gated_rms_norm(self.cfg.rms_norm_eps)(o, z, self.o_norm_weight[...])
+        proj = self.z_proj
+        dtype = proj.dtype or jnp.result_type(x, proj.kernel[...], proj.bias[...])
+        block = o.shape[1] if sequence_axes() else GATE_BLOCK_TOKENS
+        return _output_gate(
+            o,
+            x,
+            proj.kernel[...],
+            proj.bias[...],
+            self.o_norm_weight[...],
+            self.cfg.rms_norm_eps,
+            jnp.dtype(dtype),
+            proj.precision,
+            block,
+        )
 
     # ------------------------------------------------------------------------------------------ forward
     def __call__(
