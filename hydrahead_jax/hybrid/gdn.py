@@ -165,8 +165,8 @@ def backward_after_cotangent(fn):
     """``fn`` with the same values and gradients, whose backward XLA can neither merge with the forward nor start
     before the cotangent arrives.
 
-    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a rematerialised
-    gate) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
+    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a
+    rematerialised region) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
     forward: both turn "recompute" back into "keep alive", through the whole layer. The optimization barrier
     ties the saved values (the ``jax.vjp`` residuals of ``fn``) to the cotangent.
     """
@@ -403,11 +403,8 @@ class GatedDeltaNetHeads(nnx.Module):
     def output_gate(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """Per-head gated RMSNorm: y = RMSNorm(o) · w · silu(z), z = x W_z + b_z (``gated_rms_norm``; fp32 inside).
 
-        VJP by hand, g = ∂L/∂y · w, n = o · r, r = 1 / sqrt(mean_D o² + eps) per head and token:
+        VJP by hand: ∂L/∂o, ∂L/∂z, ∂L/∂w as in ``gated_rms_norm_grads``, then through the projection
 
-            ∂L/∂o = r · (g·silu(z) − n · mean_D(g·silu(z) · n))
-            ∂L/∂z = g · n · σ(z) · (1 + z · (1 − σ(z)))          (silu'(z))
-            ∂L/∂w = Σ_{b,t} ∂L/∂y · n · silu(z)
             ∂L/∂x = ∂L/∂z W_zᵀ,  ∂L/∂W_z = Σ_{b,t} xᵀ ∂L/∂z,  ∂L/∂b_z = Σ_{b,t} ∂L/∂z
 
         The backward keeps only o, x (the layer input, alive anyway) and the weights, and walks the sequence in
