@@ -165,8 +165,8 @@ def backward_after_cotangent(fn):
     """``fn`` with the same values and gradients, whose backward XLA can neither merge with the forward nor start
     before the cotangent arrives.
 
-    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a
-    rematerialised region) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
+    Without it, a backward that recomputes from its inputs (the gated delta rule's prologue, a rematerialised
+    region) gets CSE'd with the forward, and XLA's scheduler hoists the parts that need no cotangent into the
     forward: both turn "recompute" back into "keep alive", through the whole layer. The optimization barrier
     ties the saved values (the ``jax.vjp`` residuals of ``fn``) to the cotangent.
     """
