@@ -17,9 +17,9 @@ def tiny_config():
     return tiny.get_config()
 
 
-def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
-    """train.py on configs/<config> (tiny.py; an absolute path is used as it is) in a subprocess with ONE CPU
-    device (the tests' 8-device flag removed)."""
+def single_device_env() -> dict:
+    """The environment of a subprocess with ONE CPU device (the tests' 8-device flag removed) and the tests'
+    persistent compilation cache."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
@@ -28,6 +28,13 @@ def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
     # Reruns of the same stage (resume tests) reuse compiled steps instead of compiling again.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hydrahead_test_jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    return env
+
+
+def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
+    """train.py on configs/<config> (tiny.py; an absolute path is used as it is) in a subprocess with ONE CPU
+    device (the tests' 8-device flag removed)."""
+    env = single_device_env()
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),

@@ -158,6 +158,27 @@ def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig
     return head_map
 
 
+def initial_student(run: RunConfig, teacher, tokenizer, head_map: HeadMap, store=None):
+    """The student before stage 1, exactly as the pipeline builds it: the teacher's weights, new parameters at
+    their initial values (seed ``run.seed``), fusion scales calibrated on the first ``hybrid_calibration_rows`` rows
+    of stage 1's data (seed ``run.seed + 7919``, read whole by every process, which must all build the same
+    student). ``store``: the corpus token store (``prepare_store``; None for the copy source)."""
+    scfg, rows = run.stage(STAGES[0]), run.hybrid_calibration_rows
+    calib = make_stage_iterator(
+        run.data,
+        seq_len=scfg.seq_len,
+        batch_size=rows,
+        seed=run.seed + 7919,
+        vocab_size=teacher.cfg.vocab_size,
+        synthetic_rate=scfg.synthetic_rate,
+        tokenizer=tokenizer,
+        store_path=store,
+        batch_rows=range(rows),
+    )
+    ids = jax.numpy.asarray(next(calib)["input_ids"])
+    return build_student(teacher, head_map, run.hybrid, rngs=nnx.Rngs(run.seed), calibration_ids=ids)
+
+
 # ------------------------------------------------------------------------------------------------ pipeline
 def run_pipeline(
     run: RunConfig,
@@ -231,11 +252,8 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
         )
 
     def initial_first_stage():
-        calib = iterator_factory(STAGES[0], run.seed + 7919, run.hybrid_calibration_rows, every_row=True)()
-        ids = jax.numpy.asarray(next(calib)["input_ids"])
         # build_student copies the teacher's arrays, so the student's state can be donated to the jitted step.
-        student = build_student(teacher, head_map, run.hybrid, rngs=nnx.Rngs(run.seed), calibration_ids=ids)
-        return nnx.as_pure(nnx.state(student))
+        return nnx.as_pure(nnx.state(initial_student(run, teacher, tokenizer, head_map, store)))
 
     previous = None
     extended = False  # a finished stage continues to a raised step count: the finished stages after it are stale

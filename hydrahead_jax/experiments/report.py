@@ -1,0 +1,246 @@
+"""The comparison's outputs from its results: results.json, report.md, pareto.png and loss_curves.png.
+
+Grouped variants (the same ``group``, e.g. random selection under three seeds) are reported as mean ± s, with s
+the sample standard deviation over the group's members (n − 1 in the denominator; 0 for a single member).
+
+Pareto front over (KV bytes per token x, quality y): a point is on it when no other point is at least as good on
+both axes and strictly better on one (x lower is better; y lower for KL, higher for top-1 and retrieval accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+RETRIEVAL_PREFIXES = ("niah@", "passkey@", "multikey@", "multivalue@", "kv@", "vt@")
+
+
+def headline(evaluation: dict) -> dict[str, Any]:
+    """The quality numbers a variant is ranked by: KL and top-1 on held-out news when the evaluation suite ran,
+    else on the held-out data rows; perplexity likewise; retrieval = mean accuracy over the retrieval cells."""
+    suite, data = evaluation.get("suite") or {}, evaluation.get("data") or {}
+    text = "news" if any(k.endswith("/news") for k in suite) else None
+    retrieval = [v for k, v in suite.items() if k.startswith(RETRIEVAL_PREFIXES)]
+    return {
+        "kl": suite["kl/news"] if text else data.get("kl"),
+        "top1": suite["top1/news"] if text else data.get("top1"),
+        "ppl": suite.get("ppl/news") if text else data.get("ppl"),
+        "retrieval": sum(retrieval) / len(retrieval) if retrieval else None,
+        "source": "held-out news (eval suite)" if text else "held-out data rows",
+    }
+
+
+def pareto_front(xs: list[float], ys: list[float], *, maximize: bool) -> list[int]:
+    """Indices of the points on the Pareto front (module doc), sorted by x; None values are never on it."""
+    sign = -1.0 if maximize else 1.0
+    pts = [(i, x, sign * y) for i, (x, y) in enumerate(zip(xs, ys)) if x is not None and y is not None]
+    front = []
+    for i, x, y in pts:
+        dominated = any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for j, x2, y2 in pts if j != i)
+        if not dominated:
+            front.append((x, i))
+    return [i for _, i in sorted(front)]
+
+
+def _mean_spread(values: list[float | None]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summary_rows(results: dict) -> list[dict[str, Any]]:
+    """One row per group (a single variant is its own group): every reported number as (mean, spread), n."""
+    groups: dict[str, list[dict]] = {}
+    for v in results["variants"]:
+        groups.setdefault(v["group"], []).append(v)
+    rows = []
+    for group, members in groups.items():
+        per = []
+        for v in members:
+            final, init = v.get("final") or {}, v.get("at_init") or {}
+            h, h0 = headline(final), headline(init)
+            per.append(
+                {
+                    "fa_groups": final.get("fa_groups"),
+                    "kv_groups": final.get("kv_groups"),
+                    "kv_bytes_per_token": final.get("kv_bytes_per_token"),
+                    "init_kl": h0["kl"],
+                    "kl": h["kl"],
+                    "top1": h["top1"],
+                    "ppl": h["ppl"],
+                    "retrieval": h["retrieval"],
+                    "seconds": sum((v.get("stage_seconds") or {}).values()),
+                    "tokens": sum((v.get("stage_tokens") or {}).values()),
+                    **{k: val for k, val in (final.get("suite") or {}).items() if k.startswith(RETRIEVAL_PREFIXES)},
+                }
+            )
+        keys = list(dict.fromkeys(k for p in per for k in p))
+        row = {"group": group, "members": [v["name"] for v in members], "n": len(members)}
+        row.update({k: _mean_spread([p.get(k) for p in per]) for k in keys})
+        row["source"] = headline(members[0].get("final") or {})["source"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(pair, digits: int = 3, *, percent: bool = False, integer: bool = False) -> str:
+    mean, spread = pair if isinstance(pair, tuple) else (pair, None)
+    if mean is None:
+        return "–"
+    scale, unit = (100.0, " %") if percent else (1.0, "")
+    text = f"{mean:.0f}" if integer else f"{mean * scale:.{digits}g}"
+    if spread:
+        text += f" ± {spread * scale:.{digits}g}" if not integer else f" ± {spread:.0f}"
+    return text + unit
+
+
+def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
+    teacher = results.get("teacher") or {}
+    retrieval_keys = sorted({k for r in rows for k in r if k.startswith(RETRIEVAL_PREFIXES)})
+    header = [
+        "variant",
+        "n",
+        "FA groups",
+        "KV bytes/token",
+        "KL at init",
+        "KL final",
+        "top-1",
+        "ppl",
+        *retrieval_keys,
+        "time (s)",
+        "tokens",
+    ]
+    lines = [
+        "# Equal-budget comparison",
+        "",
+        f"Workdir `{results['workdir']}`; {len(results['variants'])} variants, {len(rows)} rows "
+        "(grouped variants as mean ± sample standard deviation over their n members).",
+        "",
+        f"KL = KL(teacher ‖ student) in nats/token and top-1 = agreement with the teacher's argmax, on "
+        f"{rows[0]['source'] if rows else 'held-out data'}; ppl on the same text (teacher: "
+        f"{_fmt(headline(teacher)['ppl'])}). KV bytes/token = FA groups × 2 (K and V) × head_dim × bytes × "
+        "layers, from the model's decode cache. time = wall seconds of all stages (probe, compile and checkpoints "
+        "included); tokens = training tokens of all stages.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in rows:
+        cells = [
+            r["group"],
+            str(r["n"]),
+            f"{_fmt(r['fa_groups'], integer=True)} of {_fmt(r['kv_groups'], integer=True)}",
+            _fmt(r["kv_bytes_per_token"], integer=True),
+            _fmt(r["init_kl"]),
+            _fmt(r["kl"]),
+            _fmt(r["top1"], percent=True),
+            _fmt(r["ppl"], 4),
+            *[_fmt(r.get(k), percent=True) for k in retrieval_keys],
+            _fmt(r["seconds"], integer=True),
+            _fmt(r["tokens"], integer=True),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    teacher_retrieval = {k: v for k, v in (teacher.get("suite") or {}).items() if k.startswith(RETRIEVAL_PREFIXES)}
+    if teacher_retrieval:
+        lines += ["", "Teacher retrieval: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in teacher_retrieval.items())]
+    lines += ["", "## Variants", ""]
+    for v in results["variants"]:
+        sel = v.get("selection") or {}
+        lines.append(
+            f"- `{v['name']}` (group {v['group']}): {sel.get('method')} {sel.get('ratio')} {sel.get('allocation')}, "
+            f"fusion {v.get('fusion')}; overrides `{json.dumps(v['overrides'], sort_keys=True)}`; "
+            f"stage seconds {v.get('stage_seconds')}; loss curves from its {v['curve_source']} rows"
+        )
+    notes = sorted(
+        {n for v in results["variants"] for e in (v.get("final"), v.get("at_init")) for n in (e or {}).get("notes", [])}
+    )
+    if any(v["curve_source"] != "heldout" for v in results["variants"]):
+        notes.append(
+            'loss_curves.png: a variant without held-out rows ("split": "heldout") in its metrics.jsonl is '
+            "drawn from its training rows (one batch per step, noisy), marked 'training' in the legend."
+        )
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("kl", "KL(teacher ‖ student), nats/token (lower better)", False),
+        ("top1", "top-1 agreement with the teacher (higher better)", True),
+        ("retrieval", "NIAH/passkey accuracy (higher better)", True),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    xs = [r["kv_bytes_per_token"][0] for r in rows]
+    for ax, (key, label, maximize) in zip(axes, panels):
+        ys = [r[key][0] for r in rows]
+        if all(y is None for y in ys):
+            ax.text(0.5, 0.5, f"no {key} measurement\n(see report.md notes)", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        for r, x, y in zip(rows, xs, ys):
+            if x is None or y is None:
+                continue
+            err = r[key][1] if r["n"] > 1 else None
+            ax.errorbar([x], [y], yerr=None if err is None else [err], fmt="o", capsize=4)
+            ax.annotate(r["group"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        front = pareto_front(xs, ys, maximize=maximize)
+        ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", lw=1, label="Pareto front")
+        ax.set_xlabel("KV-cache bytes per token")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"Equal-budget comparison ({rows[0]['source'] if rows else ''})")
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=110)
+    plt.close(fig)
+    return "pareto.png"
+
+
+def plot_loss_curves(results: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = sorted({s for v in results["variants"] for s in v["curves"]})
+    fig, axes = plt.subplots(1, max(len(stages), 1), figsize=(6 * max(len(stages), 1), 4.5), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
+        for v in results["variants"]:
+            pts = v["curves"].get(stage)
+            if pts:
+                label = v["name"] + ("" if v["curve_source"] == "heldout" else " (training)")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+        ax.set_title(stage)
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel("held-out loss (the stage's own objective)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if not stages:
+        axes[0][0].text(0.5, 0.5, "no metrics rows", ha="center")
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=110)
+    plt.close(fig)
+    return "loss_curves.png"
+
+
+def write_report(results: dict, workdir: str | Path) -> dict:
+    """results.json, report.md, pareto.png and loss_curves.png in ``workdir``; returns the summary rows."""
+    out = Path(workdir)
+    rows = summary_rows(results)
+    results = dict(results, summary=rows)
+    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True, default=str) + "\n")
+    plots = [plot_pareto(results, rows, out), plot_loss_curves(results, out)]
+    (out / "report.md").write_text(render_markdown(results, rows, plots))
+    return rows

@@ -1,0 +1,248 @@
+"""The comparison command (hydrahead_jax.experiments.compare): variants refused before training, head maps derived
+from one probe's scores, the Pareto front and group statistics against hand computations, and the tiny recipe end
+to end in a subprocess (one CPU device): killed mid-run, resumed, then rerun with every variant skipped."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from train_helpers import ROOT, single_device_env
+
+from hydrahead_jax.config import ConfigError
+from hydrahead_jax.experiments.compare import derive_head_map, load_variants, run_comparison
+from hydrahead_jax.experiments.report import pareto_front, summary_rows
+
+
+def _tiny_comparison(*variants):
+    from configs import compare_tiny
+
+    c = compare_tiny.get_config()
+    if variants:
+        c.variants = list(variants)
+    return c
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    "variants, message",
+    [
+        (
+            [{"name": "a", "overrides": {"hybrid.no_such_field": 1}}],
+            "variant 'a': unknown config key 'hybrid.no_such_field'",
+        ),
+        ([{"name": "b", "overrides": {"nosection.x": 1}}], "variant 'b': unknown config key 'nosection.x'"),
+        ([{"name": "c", "overrides": {"stage2.lr": -1.0}}], "variant 'c': config.stage2.lr=-1.0: must be a finite"),
+        ([{"name": "d", "overrides": {"hybrid.fusion": "sideways"}}], "variant 'd': config.hybrid"),
+        ([{"name": "e", "overrides": {}}, {"name": "e", "overrides": {}}], "variant name 'e' appears twice"),
+        ([{"name": "f", "overrides": {"stage1.steps": 50}}], "variant 'f': the override 'stage1.steps' would change"),
+        ([{"name": "g", "overrides": {"data.copy_repeats": 2}}], "variant 'g': the override 'data.copy_repeats'"),
+        ([{"name": "h/x", "overrides": {}}], "variant name 'h/x'"),
+    ],
+)
+def test_bad_variant_is_refused_with_its_name(variants, message):
+    with pytest.raises(ConfigError) as err:
+        load_variants(_tiny_comparison(*variants))
+    assert message in str(err.value)
+
+
+def test_bad_variant_is_refused_before_any_training(tmp_path):
+    """A ratio the tiny teacher's 2 KV groups per layer cannot meet per layer needs the teacher to be found bad:
+    it is still refused before the first variant trains (no variant directory is made)."""
+    config = _tiny_comparison(
+        {"name": "fine", "overrides": {}},
+        {
+            "name": "bad_per_layer",
+            "overrides": {"selection.method": "random", "selection.ratio": "3:1", "selection.allocation": "per_layer"},
+        },
+    )
+    with pytest.raises(ConfigError, match=r"variant 'bad_per_layer': .*per_layer allocation can only meet"):
+        run_comparison(config, tmp_path / "cmp")
+    assert not (tmp_path / "cmp" / "variants").exists()
+
+
+# ------------------------------------------------------------------------------------------------ probe once
+
+
+def test_head_maps_derived_from_one_probe_match_hand_selection():
+    """Scores of a 2-layer × 2-group model: the top-k rule by hand for each method, ratio and allocation."""
+    from configs import tiny
+    from hydrahead_jax.config import ModelConfig
+    from hydrahead_jax.hybrid import HeadMap
+    from hydrahead_jax.selection.select import combine_scores
+
+    cfg = ModelConfig.from_dict(tiny.get_config().teacher.model.to_dict())
+    retrieval = np.array([[0.9, 0.1], [0.2, 0.8]])
+    ablation = np.array([[0.1, 0.3], [0.9, 0.2]])
+    combined = combine_scores(retrieval, ablation)
+    # ranks/3: retrieval [[1, 0], [1/3, 2/3]], ablation [[0, 2/3], [1, 1/3]] → combined [[1/2, 1/3], [2/3, 1/2]]
+    np.testing.assert_allclose(combined, [[0.5, 1 / 3], [2 / 3, 0.5]])
+    scores = {"retrieval": retrieval.tolist(), "ablation": ablation.tolist(), "combined": combined.tolist()}
+    probed = HeadMap.from_fa_groups(cfg, [[0], [1]], method="combined", target_ratio="1:1", scores=scores)
+    expected = {
+        ("retrieval", "3:1", "global"): [[0], []],  # the largest of 4 scores: 0.9 at (0, 0)
+        ("ablation", "3:1", "global"): [[], [0]],  # 0.9 at (1, 0)
+        ("combined", "3:1", "global"): [[], [0]],  # 2/3 at (1, 0)
+        ("retrieval", "1:1", "per_layer"): [[0], [1]],
+        ("ablation", "1:1", "per_layer"): [[1], [0]],
+        ("combined", "1:1", "global"): [[0], [0]],  # 2/3 at (1, 0), then 1/2 at (0, 0) before (1, 1) on the tie
+    }
+    for (method, ratio, allocation), groups in expected.items():
+        derived = derive_head_map(probed, method, ratio, allocation)
+        assert derived.fa_groups == groups, (method, ratio, allocation)
+        assert (derived.method, derived.target_ratio, derived.allocation) == (method, ratio, allocation)
+        assert derived.scores == probed.scores  # the evidence travels with every derived map
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def test_pareto_front_matches_hand_computation():
+    xs = [64, 128, 128, 256, 64]
+    kl = [0.5, 0.3, 0.4, 0.1, 0.6]  # lower better: 4 is beaten by 0, 2 by 1
+    assert pareto_front(xs, kl, maximize=False) == [0, 1, 3]
+    top1 = [0.2, 0.5, 0.5, 0.4, 0.2]  # higher better: ties stay on the front, 3 is beaten by 1 and 2
+    assert pareto_front(xs, top1, maximize=True) == [0, 4, 1, 2]
+    assert pareto_front([64, None, 32], [0.1, 0.0, None], maximize=False) == [0]
+
+
+def test_groups_are_reported_as_mean_and_sample_spread():
+    def variant(name, group, kl, top1):
+        final = {"data": {"kl": kl, "top1": top1, "ppl": 2.0}, "fa_groups": 1, "kv_groups": 4, "kv_bytes_per_token": 64}
+        return {
+            "name": name,
+            "group": group,
+            "final": final,
+            "at_init": {"data": {"kl": 2 * kl}},
+            "stage_seconds": {"align": 1.0, "distil": 2.0},
+            "stage_tokens": {"align": 10, "distil": 20},
+        }
+
+    rows = summary_rows(
+        {"variants": [variant("r0", "r", 0.2, 0.5), variant("r1", "r", 0.4, 0.7), variant("x", "x", 1.0, 0.1)]}
+    )
+    r, x = rows
+    assert (r["group"], r["n"], r["members"]) == ("r", 2, ["r0", "r1"])
+    assert r["kl"][0] == pytest.approx(0.3) and r["kl"][1] == pytest.approx(math.sqrt(0.02))  # (0.1² + 0.1²) / 1
+    assert r["init_kl"][0] == pytest.approx(0.6) and r["top1"][1] == pytest.approx(math.sqrt(0.02))
+    assert r["seconds"] == (3.0, 0.0) and r["tokens"] == (30.0, 0.0)
+    assert x["kl"] == (1.0, 0.0) and x["n"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def _command(workdir):
+    return [
+        sys.executable,
+        "-m",
+        "hydrahead_jax.experiments.compare",
+        "--config",
+        str(ROOT / "configs" / "compare_tiny.py"),
+        "--workdir",
+        str(workdir),
+    ]
+
+
+def _run(workdir, kill_at=None):
+    """The comparison in a subprocess; with ``kill_at``, SIGKILLed as soon as a line containing it is printed.
+    Returns (return code, output)."""
+    env = dict(single_device_env(), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        _command(workdir),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if kill_at and kill_at in line:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, "".join(lines)
+
+
+def _mtimes(directory):
+    return {str(p): p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """The tiny comparison killed in its second variant's distillation, resumed to the end, then run again."""
+    workdir = tmp_path_factory.mktemp("compare") / "cmp"
+    killed = _run(workdir, kill_at="2/3 random_3to1_s0: stage distil")
+    resumed = _run(workdir)
+    before = _mtimes(workdir / "variants")
+    again = _run(workdir)
+    return {"workdir": workdir, "killed": killed, "resumed": resumed, "again": again, "before": before}
+
+
+@pytest.mark.slow
+def test_killed_comparison_resumes_where_it_stopped(compared):
+    code, out = compared["killed"]
+    assert code == -signal.SIGKILL and "1/3 layerwise_1to1: done" in out, out[-2000:]
+    code, out = compared["resumed"]
+    assert code == 0, out[-3000:]
+    assert "1/3 layerwise_1to1: finished earlier (eval.json matches), skipped" in out
+    # the killed variant continues: its finished stages are not run again, the killed one and the rest are
+    assert "random_3to1_s0: stage select" not in out and "random_3to1_s0: stage align" not in out
+    assert "2/3 random_3to1_s0: stage distil" in out and "3/3 random_3to1_s1: stage align" in out
+
+
+@pytest.mark.slow
+def test_second_run_skips_every_finished_variant(compared):
+    code, out = compared["again"]
+    assert code == 0, out[-3000:]
+    for k, name in enumerate(("layerwise_1to1", "random_3to1_s0", "random_3to1_s1"), 1):
+        assert f"{k}/3 {name}: finished earlier (eval.json matches), skipped" in out
+    assert ": stage " not in out
+    assert _mtimes(compared["workdir"] / "variants") == compared["before"]  # nothing under variants/ rewritten
+
+
+@pytest.mark.slow
+def test_comparison_outputs(compared):
+    workdir = compared["workdir"]
+    for name in ("results.json", "report.md", "pareto.png", "loss_curves.png"):
+        assert (workdir / name).stat().st_size > 0, name
+    results = json.loads((workdir / "results.json").read_text())
+    by_name = {v["name"]: v for v in results["variants"]}
+    # KV bytes per token by hand: FA groups × 2 (K, V) × head_dim 8 × 4 bytes (f32), summed over layers.
+    # layerwise 1:1 keeps one whole layer (2 groups); random 3:1 global keeps round(4 / 4) = 1 group.
+    assert by_name["layerwise_1to1"]["final"]["fa_groups"] == 2
+    assert by_name["layerwise_1to1"]["final"]["kv_bytes_per_token"] == 2 * 2 * 8 * 4
+    for name in ("random_3to1_s0", "random_3to1_s1"):
+        assert by_name[name]["final"]["fa_groups"] == 1
+        assert by_name[name]["final"]["kv_bytes_per_token"] == 1 * 2 * 8 * 4
+    assert results["teacher"]["kv_bytes_per_token"] == 4 * 2 * 8 * 4
+    for v in results["variants"]:
+        assert set(v["stage_seconds"]) == {"select", "align", "distil", "long"}
+        assert v["stage_tokens"] == {"align": 2 * 4 * 32, "distil": 2 * 4 * 32, "long": 2 * 4 * 64}
+        for when in ("at_init", "final"):
+            data = v[when]["data"]
+            assert 0 <= data["top1"] <= 1 and data["kl"] >= 0 and data["positions"] == 2 * 32
+        assert set(v["curves"]) == {"stage1_align", "stage2_distil", "stage3_long"}
+    assert results["teacher"]["data"]["ppl"] > 1 and "kl" not in results["teacher"]["data"]
+    # the random seeds are one row, mean ± sample spread of their two members
+    row = next(r for r in results["summary"] if r["group"] == "random_3to1")
+    kls = [by_name[n]["final"]["data"]["kl"] for n in ("random_3to1_s0", "random_3to1_s1")]
+    assert row["n"] == 2 and row["kl"][0] == pytest.approx(np.mean(kls))
+    assert row["kl"][1] == pytest.approx(np.std(kls, ddof=1))
+    report = (workdir / "report.md").read_text()
+    assert "| random_3to1 | 2 | 1 of 4 | 64 |" in report and "| layerwise_1to1 | 1 | 2 of 4 | 128 |" in report
+    assert "the teacher has no tokenizer" in report  # what was skipped is said
