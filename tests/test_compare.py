@@ -67,6 +67,27 @@ def test_bad_variant_is_refused_before_any_training(tmp_path):
     assert not (tmp_path / "cmp" / "variants").exists()
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"suite": "niah,efficiency"}, "['efficiency'] cannot be compared here"),
+        ({"suite": "niah,nonsense"}, "unknown suite 'nonsense'"),
+        ({"lengths": "512,abc"}, "cannot read length 'abc'"),
+        ({"data_rows": 0}, "config.eval.data_rows=0: must be an integer >= 1"),
+        ({"depths": (0.5, 1.5)}, "config.eval.depths"),
+        ({"sample": 2}, "unknown config key 'eval.sample'"),
+    ],
+)
+def test_bad_eval_settings_are_refused(settings, message):
+    from hydrahead_jax.experiments.compare import eval_settings
+
+    with pytest.raises(ConfigError) as err:
+        eval_settings(settings)
+    assert message in str(err.value)
+    parsed = eval_settings({"suite": "niah,passkey,ppl,agreement,niah", "lengths": "512,1k"})
+    assert parsed.suite == ("niah", "passkey", "ppl", "agreement") and parsed.lengths == (512, 1024)
+
+
 # ------------------------------------------------------------------------------------------------ probe once
 
 

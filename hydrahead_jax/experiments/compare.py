@@ -113,26 +113,39 @@ def _as_dict(value: Any) -> Any:
 
 
 def eval_settings(raw: Any) -> EvalSettings:
-    """``config.eval`` as EvalSettings; unknown keys and unknown suite names are refused."""
-    from hydrahead_jax.evaluation.suite import parse_lengths, parse_suite
+    """``config.eval`` as EvalSettings; unknown keys, suite names and bad values are refused (ConfigError)."""
+    from hydrahead_jax.evaluation.inputs import RETRIEVAL_TASKS
+    from hydrahead_jax.evaluation.suite import SuiteError, parse_lengths, parse_suite
 
     data = dict(_as_dict(raw) or {})
     known = {f.name for f in dataclasses.fields(EvalSettings)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown config key 'eval.{unknown[0]}'; config.eval has the fields {sorted(known)}.")
-    if "suite" in data:
-        data["suite"] = parse_suite(data["suite"]) if data["suite"] else ()
-        bad = sorted(set(data["suite"]) - {"niah", "passkey", "multikey", "multivalue", "kv", "vt", "ppl", "agreement"})
-        if bad:
-            raise ConfigError(f"config.eval.suite: {bad} cannot be compared here; use retrieval tasks, ppl, agreement.")
-    if "lengths" in data:
-        data["lengths"] = parse_lengths(data["lengths"]) if isinstance(data["lengths"], str) else tuple(data["lengths"])
+    try:
+        if "suite" in data:
+            data["suite"] = parse_suite(data["suite"]) if data["suite"] else ()
+        if "lengths" in data:
+            lengths = data["lengths"]
+            data["lengths"] = parse_lengths(lengths if isinstance(lengths, str) else ",".join(map(str, lengths)))
+    except SuiteError as err:
+        raise ConfigError(f"config.eval: {err}") from None
+    comparable = set(RETRIEVAL_TASKS) | {"ppl", "agreement"}
+    bad = sorted(set(data.get("suite", ())) - comparable)
+    if bad:
+        raise ConfigError(
+            f"config.eval.suite: {bad} cannot be compared here (efficiency is measured by eval.py); "
+            f"choose from {sorted(comparable)}."
+        )
     if "depths" in data:
         data["depths"] = tuple(float(d) for d in data["depths"])
-    for key in ("ppl_length", "ppl_windows", "samples", "data_rows", "data_seq_len"):
-        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 1):
-            raise ConfigError(f"config.eval.{key}={data[key]!r}: must be an integer >= 1.")
+        if not data["depths"] or any(not 0 <= d <= 1 for d in data["depths"]):
+            raise ConfigError(f"config.eval.depths={data['depths']}: give fractions in [0, 1].")
+    minimum = {"ppl_length": 2, "data_seq_len": 2, "ppl_windows": 1, "samples": 1, "data_rows": 1}
+    for key, least in minimum.items():
+        value = data.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"config.eval.{key}={value!r}: must be an integer >= {least}.")
     return EvalSettings(**data)
 
 
