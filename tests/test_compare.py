@@ -88,6 +88,19 @@ def test_bad_eval_settings_are_refused(settings, message):
     assert parsed.suite == ("niah", "passkey", "ppl", "agreement") and parsed.lengths == (512, 1024)
 
 
+def test_second_comparison_on_a_busy_workdir_is_refused(tmp_path):
+    from hydrahead_jax.training.checkpoint import WorkdirError, WorkdirLock
+
+    held = WorkdirLock(tmp_path / "cmp")
+    held.acquire()
+    try:
+        with pytest.raises(WorkdirError, match="cmp"):
+            run_comparison(_tiny_comparison(), tmp_path / "cmp")
+    finally:
+        held.release()
+    assert not (tmp_path / "cmp" / "variants").exists()
+
+
 # ------------------------------------------------------------------------------------------------ probe once
 
 

@@ -553,13 +553,24 @@ def _fmt_seconds(s: float) -> str:
 
 def run_comparison(config, workdir: str | Path) -> dict[str, Any]:
     """Train and evaluate every variant of the comparison recipe ``config`` in ``workdir``, then write
-    results.json, report.md and the plots; returns the results. Resumable (module doc)."""
-    from hydrahead_jax.experiments.report import write_report
+    results.json, report.md and the plots; returns the results. Resumable (module doc). A second comparison on
+    the same workdir is refused while one runs."""
+    from hydrahead_jax.training.checkpoint import WorkdirLock
 
     workdir = Path(workdir).absolute()
     variants = load_variants(config)  # every variant is checked before any work
     settings = eval_settings(config.get("eval"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    lock = WorkdirLock(workdir)  # one comparison per workdir (each variant's run locks its own directory too)
+    lock.acquire()
+    try:
+        return _run_locked(workdir, variants, settings)
+    finally:
+        lock.release()
+
+
+def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) -> dict[str, Any]:
+    from hydrahead_jax.experiments.report import write_report
+
     base_run = variants[0].run
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
@@ -717,11 +728,16 @@ def main(argv=None) -> int:
 
         logging.set_verbosity(logging.WARNING)
         _persistent_compilation_cache()
+        from hydrahead_jax.training.trainer import Preempted
+
         try:
             run_comparison(config.value, workdir.value)
         except USER_ERRORS as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except Preempted as stop:  # SIGTERM: the running stage checkpointed; rerun the same command to continue
+            print(f"preempted: {stop}", file=sys.stderr, flush=True)
+            sys.exit(143)
 
     app.run(_main, argv=argv)
     return 0

@@ -24,8 +24,8 @@ def headline(evaluation: dict) -> dict[str, Any]:
     text = "news" if any(k.endswith("/news") for k in suite) else None
     retrieval = [v for k, v in suite.items() if k.startswith(RETRIEVAL_PREFIXES)]
     return {
-        "kl": suite["kl/news"] if text else data.get("kl"),
-        "top1": suite["top1/news"] if text else data.get("top1"),
+        "kl": suite.get("kl/news") if text else data.get("kl"),  # None for the teacher itself
+        "top1": suite.get("top1/news") if text else data.get("top1"),
         "ppl": suite.get("ppl/news") if text else data.get("ppl"),
         "retrieval": sum(retrieval) / len(retrieval) if retrieval else None,
         "source": "held-out news (eval suite)" if text else "held-out data rows",
@@ -124,8 +124,8 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
         f"KL = KL(teacher ‖ student) in nats/token and top-1 = agreement with the teacher's argmax, on "
         f"{rows[0]['source'] if rows else 'held-out data'}; ppl on the same text (teacher: "
         f"{_fmt(headline(teacher)['ppl'])}). KV bytes/token = FA groups × 2 (K and V) × head_dim × bytes × "
-        "layers, from the model's decode cache. time = wall seconds of all stages (probe, compile and checkpoints "
-        "included); tokens = training tokens of all stages.",
+        "layers, from the model's decode cache. time = wall seconds of all stages (teacher loading, compilation and checkpoints "
+        "included; the shared probe is not); tokens = training tokens of all stages.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
