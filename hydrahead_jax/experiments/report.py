@@ -196,7 +196,9 @@ def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
             ax.errorbar([x], [y], yerr=None if err is None else [err], fmt="o", capsize=4)
             ax.annotate(r["group"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = pareto_front(xs, ys, maximize=maximize)
-        ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", lw=1, label="Pareto front")
+        fx, fy = [xs[i] for i in front], [ys[i] for i in front]
+        ax.step(fx, fy, "k--", where="post", lw=1)  # the staircase the front's points span
+        ax.scatter(fx, fy, s=160, facecolors="none", edgecolors="k", label="Pareto front")
         ax.set_xlabel("KV-cache bytes per token")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -224,7 +226,7 @@ def plot_loss_curves(results: dict, out: Path) -> str:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
         ax.set_title(stage)
         ax.set_xlabel("tokens seen")
-        ax.set_ylabel("held-out loss (the stage's own objective)")
+        ax.set_ylabel("held-out loss (the stage's objective; '(training)': training rows)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if not stages:
