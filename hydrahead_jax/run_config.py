@@ -192,7 +192,9 @@ class StageConfig:
     ``micro_batches`` accumulates the f32 gradient over that many row groups per step (the same loss and gradient as
     the whole batch); the logits loss works on tiles of ``loss_chunk_rows`` rows (0: all rows of a micro-batch) ×
     ``loss_chunk`` tokens. ``master_dtype``: "float32" trains f32 master parameters and AdamW moments while the
-    model computes in its own dtype; "param" keeps them in the model's parameter dtype."""
+    model computes in its own dtype; "param" keeps them in the model's parameter dtype. Held-out evaluation:
+    ``heldout_rows`` fixed rows of the corpus validation split (0: none) are evaluated before the first update,
+    every ``heldout_every`` steps (0: only at the start and the end) and after the last step."""
 
     train: str  # no default here: the stage table's default_train (configs/common.py fills it in)
     steps: int = 0
@@ -215,6 +217,8 @@ class StageConfig:
     ce_weight: float = 0.0  # next-token cross-entropy weight (the long stage needs it or kl_weight > 0)
     temperature: float = 1.0  # of the KL
     remat: bool = False
+    heldout_rows: int = 4  # rows of the fixed held-out batch (at the stage's seq_len); 0 = no held-out evaluation
+    heldout_every: int = 0  # held-out evaluation every this many steps, besides step 0 and the last step
 
     def __post_init__(self):
         s = "stage"
@@ -235,6 +239,15 @@ class StageConfig:
         _require(self.temperature > 0, s, "temperature", self.temperature, "must be > 0", "1.0")
         _require(self.loss_chunk_rows >= 0, s, "loss_chunk_rows", self.loss_chunk_rows, "must be >= 0", "0 (all rows)")
         _require(self.micro_batches >= 1, s, "micro_batches", self.micro_batches, "must be >= 1", "1")
+        _require(self.heldout_rows >= 0, s, "heldout_rows", self.heldout_rows, "must be >= 0", "4, or 0 for none")
+        _require(
+            self.heldout_every >= 0,
+            s,
+            "heldout_every",
+            self.heldout_every,
+            "must be >= 0",
+            "a step interval, or 0 to evaluate only at the start and the end",
+        )
         _require(
             self.batch_size % self.micro_batches == 0,
             s,

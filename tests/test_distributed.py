@@ -144,10 +144,11 @@ class _Processes:
             proc.wait(timeout=60)
 
 
-def _losses(workdir: Path) -> dict[tuple[str, int], float]:
+def _losses(workdir: Path) -> dict[tuple[str, str, int], float]:
+    """{(stage, "train" or "heldout", step): loss}."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    losses = {(r["stage"], r["step"]): r["loss"] for r in rows}
-    assert len(losses) == len(rows), "one row per step"
+    losses = {(r["stage"], r.get("split", "train"), r["step"]): r["loss"] for r in rows}
+    assert len(losses) == len(rows), "one row per (step, split)"
     return losses
 
 
@@ -167,7 +168,7 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     done = subprocess.run(_command(single), env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     expected = _losses(single)
-    assert len(expected) == 18  # 3 stages x 6 steps
+    assert len(expected) == 24  # 3 stages x (6 steps + held-out rows at steps 0 and 6)
 
     # Two processes, killed (SIGKILL, both) once stage 2 has written its step-2 checkpoint, before it finishes.
     multi = tmp_path / "multi"
@@ -180,7 +181,7 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     assert checkpoint.is_dir() and finished_early == [None, None], f"no stage-2 checkpoint\n{run.tails()}"
     assert not (multi / "stage2_distil" / "DONE").exists(), "killed after stage 2 finished: not mid-stage"
     killed = _losses(multi)
-    assert ("stage2_distil", 2) in killed
+    assert ("stage2_distil", "train", 2) in killed
     for key, loss in killed.items():  # what the killed run logged agrees with the reference
         np.testing.assert_allclose(loss, expected[key], rtol=2e-4, atol=1e-6, err_msg=str(key))
 

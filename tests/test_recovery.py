@@ -24,7 +24,7 @@ from hydrahead_jax.training.checkpoint import WorkdirLock
 
 def _logged(workdir, stage="stage1_align"):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["stage"] == stage]
+    return [r for r in rows if r["stage"] == stage and "split" not in r]  # training rows
 
 
 def _saved_steps(stage_dir):

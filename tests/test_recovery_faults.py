@@ -84,7 +84,10 @@ def test_kill_at_a_random_step_of_every_stage_then_the_export_is_bit_exact(unint
     for name, value in want.items():
         assert got[name].dtype == value.dtype and np.array_equal(got[name], value), name
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted((r["stage"], r["step"]) for r in rows) == [(s, n) for s in STAGES for n in range(1, STEPS + 1)]
+    train = [r for r in rows if "split" not in r]
+    assert sorted((r["stage"], r["step"]) for r in train) == [(s, n) for s in STAGES for n in range(1, STEPS + 1)]
+    heldout = [(r["stage"], r["step"]) for r in rows if r.get("split") == "heldout"]
+    assert sorted(heldout) == [(s, n) for s in STAGES for n in (0, STEPS)]  # one per (stage, step) after the kills
 
 
 def test_more_steps_for_a_finished_stage_continue_it_and_rerun_the_stages_after_it(uninterrupted, tmp_path):
@@ -99,9 +102,13 @@ def test_more_steps_for_a_finished_stage_continue_it_and_rerun_the_stages_after_
     assert "[stage2_distil] finished earlier at step 6; continuing to step 8" in proc.stdout
     assert "resuming from step 6/8" in proc.stdout
     assert len(list(workdir.glob("stage3_long.superseded-*"))) == 1  # its input changed: moved aside, rerun
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in logged if "split" not in r]  # training rows
     assert [r["step"] for r in rows if r["stage"] == "stage2_distil"] == list(range(1, 9))
     assert [r["step"] for r in rows if r["stage"] == "stage3_long"] == list(range(1, STEPS + 1))
+    heldout = [(r["stage"], r["step"]) for r in logged if r.get("split") == "heldout"]
+    assert [n for s, n in heldout if s == "stage2_distil"] == [0, STEPS, 8]  # continued: its old rows are kept
+    assert [n for s, n in heldout if s == "stage3_long"] == [0, STEPS]  # rerun: the old run's rows are dropped
     assert json.loads((workdir / "run_config.json").read_text())["config"]["stage2"]["steps"] == 8
     after = _params(workdir / "final")
     assert any(not np.array_equal(after[k], before[k]) for k in before)  # the export was replaced

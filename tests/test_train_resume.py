@@ -20,11 +20,11 @@ STAGE1 = [
 
 
 def _losses(workdir, stage="stage1_align"):
-    """Loss per step; a step logged twice (before a kill and after the resume) keeps its last value."""
+    """Training loss per step; a step logged twice (before a kill and after the resume) keeps its last value."""
     out = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        if r["stage"] == stage:
+        if r["stage"] == stage and "split" not in r:
             out[r["step"]] = r["loss"]
     return out
 
@@ -73,7 +73,13 @@ def test_sigkill_during_async_save_then_resume_matches(reference, tmp_path):
     got = _losses(workdir)
     assert sorted(got) == list(range(1, 11))
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))  # steps redone after the kill are not logged twice
+    train, heldout = [r for r in rows if "split" not in r], [r for r in rows if r.get("split") == "heldout"]
+    assert [r["step"] for r in train] == list(range(1, 11))  # steps redone after the kill are not logged twice
+    assert [r["step"] for r in heldout] == [0, 10]  # step 0 is not evaluated again by the resumed run
+    want_heldout = [json.loads(line) for line in (reference[0] / "metrics.jsonl").read_text().splitlines()]
+    want_heldout = [r for r in want_heldout if r.get("split") == "heldout"]
+    for got_row, want_row in zip(heldout, want_heldout, strict=True):
+        assert got_row["loss"] == pytest.approx(want_row["loss"], rel=1e-6, abs=1e-9), got_row["step"]
     for step in range(start + 1, 11):  # computed by the resumed process from the restored state
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
     for step in range(1, start + 1):

@@ -51,7 +51,8 @@ RESUME_SAFE_SECTION_KEYS = {
     "data": ("num_threads", "prefetch"),  # loader threads and read-ahead
     "selection": ("head_map_path", "preset"),  # the map is copied into the workdir; the preset's values are kept
     "hybrid": ("attention_context_parallel",),  # how FA heads get their keys across devices: same values
-    **{s.config_key: ("checkpoint_every", "keep_checkpoints") for s in STAGES},
+    # checkpoint interval and kept count; the held-out evaluation (reads the state, never changes it)
+    **{s.config_key: ("checkpoint_every", "keep_checkpoints", "heldout_rows", "heldout_every") for s in STAGES},
 }
 # What may change to continue a run with other settings (the run goes on from its checkpoints, no --force_new):
 # a stage's learning rate (the fix a non-finite stop advises) and its budget. The schedule follows the new values

@@ -123,6 +123,25 @@ def _scan_token_chunks(body, xs, chunk_totals_init, place_rows: RowPlacer = None
     return total
 
 
+def _log_probs(logits_fn: LogitsFn, hidden: jax.Array, temperature: float) -> jax.Array:
+    """log softmax(z / τ) in f32 of one tile's logits z = logits_fn(hidden)."""
+    return jax.nn.log_softmax(logits_fn(hidden).astype(jnp.float32) / temperature, axis=-1)
+
+
+def _kl_per_token(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    """Σ_v p_v (log p_v − log q_v) over the last axis."""
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+def _teacher_student_tiles(student_hidden, teacher_hidden, mask, chunk, rows, place_rows):
+    """(student, teacher, mask) tiles of ``_chunked``; the teacher's hidden states are stop-gradient'ed."""
+    return (
+        _chunked(student_hidden, chunk, rows, place_rows),
+        _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows, place_rows),
+        _chunked(mask.astype(jnp.float32), chunk, rows, place_rows),
+    )
+
+
 def chunked_kl(
     student_hidden: jax.Array,
     teacher_hidden: jax.Array,
@@ -136,21 +155,48 @@ def chunked_kl(
     place_rows: RowPlacer = None,
 ) -> jax.Array:
     """Masked mean over tokens of KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) · τ², in tiles of ``rows`` × ``chunk``."""
-    hs = _chunked(student_hidden, chunk, rows, place_rows)
-    ht = _chunked(jax.lax.stop_gradient(teacher_hidden), chunk, rows, place_rows)
-    ms = _chunked(mask.astype(jnp.float32), chunk, rows, place_rows)
+    tiles = _teacher_student_tiles(student_hidden, teacher_hidden, mask, chunk, rows, place_rows)
 
     def body(x):
         h_s, h_t, m = x
-        log_q = jax.nn.log_softmax(student_logits(h_s).astype(jnp.float32) / temperature, axis=-1)
-        log_p = jax.nn.log_softmax(
-            jax.lax.stop_gradient(teacher_logits(h_t)).astype(jnp.float32) / temperature, axis=-1
-        )
-        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B,C]
-        return jnp.sum(kl * m)
+        log_q = _log_probs(student_logits, h_s, temperature)
+        log_p = jax.lax.stop_gradient(_log_probs(teacher_logits, h_t, temperature))
+        return jnp.sum(_kl_per_token(log_p, log_q) * m)
 
-    total = _scan_token_chunks(body, (hs, ht, ms), jnp.zeros((), jnp.float32), place_rows)
+    total = _scan_token_chunks(body, tiles, jnp.zeros((), jnp.float32), place_rows)
     return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0) * temperature**2
+
+
+def chunked_teacher_agreement(
+    student_hidden: jax.Array,
+    teacher_hidden: jax.Array,
+    student_logits: LogitsFn,
+    teacher_logits: LogitsFn,
+    mask: jax.Array,
+    *,
+    chunk: int = 512,
+    rows: int = 0,
+    place_rows: RowPlacer = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(KL, top-1 agreement) of the student's full next-token distribution with the teacher's, at temperature 1,
+    as masked means over tokens, in one pass over tiles of ``rows`` × ``chunk`` (an evaluation yardstick):
+
+        KL   = Σ m_{b,t} · Σ_v p_v (log p_v − log q_v) / Σ m      (nats/token)
+        top1 = Σ m_{b,t} · [argmax_v p_v = argmax_v q_v] / Σ m    (ties: the lowest token id)
+    """
+    tiles = _teacher_student_tiles(student_hidden, teacher_hidden, mask, chunk, rows, place_rows)
+
+    def body(x):
+        h_s, h_t, m = x
+        log_q = _log_probs(student_logits, h_s, 1.0)
+        log_p = jax.lax.stop_gradient(_log_probs(teacher_logits, h_t, 1.0))
+        same = (jnp.argmax(log_p, axis=-1) == jnp.argmax(log_q, axis=-1)).astype(jnp.float32)
+        return jnp.sum(_kl_per_token(log_p, log_q) * m), jnp.sum(same * m)
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    kl, same = _scan_token_chunks(body, tiles, zeros, place_rows)
+    denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    return kl / denom, same / denom
 
 
 def chunked_cross_entropy(

@@ -1,4 +1,8 @@
-"""Progress bar (tokens/s, ETA), metrics.jsonl and TensorBoard event files for one stage."""
+"""Progress bar (tokens/s, ETA), metrics.jsonl, TensorBoard event files and the held-out summary of one stage.
+
+metrics.jsonl holds one row per training step {"stage", "step", "tokens_seen", "step_time_s", "tokens_per_s",
+<metrics>} and one per held-out evaluation {"stage", "step", "tokens_seen", "split": "heldout", <metrics>}
+(step 0: before the first update); at most one row per (stage, step, split)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ class NonFiniteLossError(RuntimeError):
 
 def _drop_rows_after(path: Path, stage: str, step: int) -> None:
     """Remove the rows of ``stage`` past ``step`` (logged by a run killed before its next checkpoint; the resumed
-    run logs those steps again), so metrics.jsonl keeps one row per step. Rewritten atomically."""
+    run logs those steps again; step −1: all of them, a stage that starts over logs its step-0 held-out row
+    again), so metrics.jsonl keeps one row per (step, split). Rewritten atomically."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -51,14 +56,21 @@ class StageLogger:
         tokens_per_step: int,
         tensorboard: bool = True,
         progress: bool = True,
+        heldout_file: Path | None = None,
+        heldout_shape: tuple[int, int] | None = None,
     ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
         path = Path(workdir) / "metrics.jsonl"
         self._jsonl = self._tb = None
+        # heldout.json: the held-out batch's shape (rows, seq_len) and the first and last held-out rows of the stage.
+        self._heldout_file, self._heldout_shape = heldout_file, heldout_shape
+        self._heldout_first = self._heldout_last = None
         primary = jax.process_index() == 0  # every process computes the same metrics; process 0 writes them
         if primary:
-            _drop_rows_after(path, stage, start_step)
+            _drop_rows_after(path, stage, start_step if start_step > 0 else -1)  # step 0 is logged again
             self._jsonl = open(path, "a", buffering=1)
+            if start_step > 0 and heldout_file is not None and heldout_file.exists():
+                self._heldout_first = json.loads(heldout_file.read_text()).get("first")  # logged before the resume
         if tensorboard and primary:
             from tensorboardX import SummaryWriter  # local: optional dependency at import time
 
@@ -96,6 +108,43 @@ class StageLogger:
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4g}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         return record
+
+    def log_heldout(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
+        """One held-out row (metrics.jsonl, TensorBoard ``<stage>/heldout_<name>``, heldout.json's last row)."""
+        record = {"stage": self.stage, "step": int(step), "tokens_seen": int(step) * self.tokens_per_step}
+        record["split"] = "heldout"
+        record.update({k: float(v) for k, v in metrics.items()})
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            if self._heldout_first is None or step == 0:
+                self._heldout_first = record
+            self._heldout_last = record
+            if self._heldout_file is not None:
+                rows, seq_len = self._heldout_shape or (None, None)
+                summary = {"stage": self.stage, "rows": rows, "seq_len": seq_len}
+                summary.update(first=self._heldout_first, last=record)
+                tmp = self._heldout_file.with_name(self._heldout_file.name + ".tmp")
+                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+                os.replace(tmp, self._heldout_file)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if math.isfinite(float(v)):
+                    self._tb.add_scalar(f"{self.stage}/heldout_{k}", float(v), step)
+        return record
+
+    def heldout_summary(self) -> str | None:
+        """``[stage] held-out (R rows x T tokens): loss a -> b, KL c -> d, top-1 e% -> f%`` (first -> last held-out
+        row of the stage; process 0 only, None elsewhere or when nothing was evaluated)."""
+        first, last = self._heldout_first, self._heldout_last
+        if first is None or last is None:
+            return None
+        rows, seq_len = self._heldout_shape or ("?", "?")
+        parts = [f"{label} {first[k]:.4g} -> {last[k]:.4g}" for k, label in (("loss", "loss"), ("kl", "KL"))]
+        parts.append(f"top-1 {100 * first['top1']:.1f}% -> {100 * last['top1']:.1f}%")
+        return (
+            f"[{self.stage}] held-out ({rows} rows x {seq_len} tokens), step {first['step']} -> {last['step']}: "
+            + ", ".join(parts)
+        )
 
     def close(self):
         self._bar.close()

@@ -38,7 +38,7 @@ from hydrahead_jax.training.checkpoint import (
     check_workdir_config,
     finished_step,
 )
-from hydrahead_jax.training.data import make_stage_iterator, prepare_store
+from hydrahead_jax.training.data import HELDOUT_SEED_OFFSET, make_heldout_batch, make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
 from hydrahead_jax.training.steps import cast_like, f32_param_target
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
@@ -223,6 +223,21 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
         workdir, run, cfg, force_new=force_new, data_digest=None if store is None else Path(store).name
     )
     resolved = run.to_dict()
+    # The held-out batches are read (whole, by every process: see trainer.HeldoutEval) before any work, so a
+    # validation split that cannot give them is refused now.
+    heldout = {
+        stage.name: make_heldout_batch(
+            run.data,
+            seq_len=run.stage(stage).seq_len,
+            rows=run.stage(stage).heldout_rows,
+            seed=run.seed + HELDOUT_SEED_OFFSET + index,
+            vocab_size=cfg.vocab_size,
+            store_path=store,
+            config_key=stage.config_key,
+        )
+        for index, stage in enumerate(STAGES)
+        if stage.name in stages and run.stage(stage).heldout_rows > 0
+    }
 
     head_map = select_heads(run.selection, teacher, tokenizer, cfg, workdir)
     if stages == [SELECT]:
@@ -281,6 +296,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
             mask_documents=run.data.mask_documents,
+            heldout=heldout.get(stage.name),
         )
         # The previous stage's state is handed over, not kept: the trainer drops it once split into master
         # parameters and frozen Variables, so two model-sized states are not alive through the stage.

@@ -301,6 +301,29 @@ def jit_train_step(step_fn, layout: StageLayout, teacher_shardings):
     )
 
 
+def _model_merger(student_graphdef, teacher_graphdef, model_params, step_settings: StepSettings):
+    """merge(params, frozen, teacher_state) -> (student, teacher or None) modules; the trained ``params`` are cast
+    from the master dtype to the model's own (``model_params``) when the two differ (``uses_master``)."""
+    cast = model_params is not None and uses_master(model_params, step_settings)
+
+    def merge(params, frozen, teacher_state):
+        if cast:
+            params = cast_like(params, model_params)
+        student = nnx.merge(student_graphdef, params, frozen)
+        teacher = None if teacher_state is None else nnx.merge(teacher_graphdef, teacher_state)
+        return student, teacher
+
+    return merge
+
+
+def token_weighted_groups(batch, groups: int, place_rows: losses.RowPlacer = None):
+    """(the batch as ``groups`` interleaved row groups [groups, B/groups, ...], weights N_i / N [groups]), N_i the
+    loss-mask count of group i: Σ_i (N_i/N)·L_i of masked token means L_i is the whole batch's mean."""
+    grouped = losses.place(place_rows, jax.tree.map(lambda x: losses.interleaved_row_groups(x, groups), batch), 1)
+    counts = jnp.sum(grouped["loss_mask"].astype(jnp.float32), axis=tuple(range(1, batch["loss_mask"].ndim + 1)))
+    return grouped, counts / jnp.maximum(jnp.sum(counts), 1.0)
+
+
 def make_train_step(
     student_graphdef,
     teacher_graphdef,
@@ -319,14 +342,11 @@ def make_train_step(
     state["params"] then holds the master and each step casts it to these dtypes. ``batch_sharding``: the batch's
     NamedSharding; micro-batches and logits tiles keep their rows on it (``row_placer``)."""
     place_rows = row_placer(batch_sharding)
-    cast = model_params is not None and uses_master(model_params, step_settings)
+    merge = _model_merger(student_graphdef, teacher_graphdef, model_params, step_settings)
     m = step_settings.micro_batches
 
     def loss_fn(params, frozen, teacher_state, batch, weight):
-        if cast:
-            params = cast_like(params, model_params)
-        student = nnx.merge(student_graphdef, params, frozen)
-        teacher = None if teacher_state is None else nnx.merge(teacher_graphdef, teacher_state)
+        student, teacher = merge(params, frozen, teacher_state)
         loss, metrics = compute_loss(student, teacher, batch, settings, place_rows)
         if weight is None:
             return loss, metrics
@@ -336,9 +356,7 @@ def make_train_step(
 
     def accumulated(params, frozen, teacher_state, batch):
         """Σ_i (N_i/N)·(∇L_i, metrics_i) over the M interleaved row groups, summed in f32."""
-        groups = losses.place(place_rows, jax.tree.map(lambda x: losses.interleaved_row_groups(x, m), batch), 1)
-        counts = jnp.sum(groups["loss_mask"].astype(jnp.float32), axis=tuple(range(1, batch["loss_mask"].ndim + 1)))
-        weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
+        groups, weights = token_weighted_groups(batch, m, place_rows)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         first = jax.tree.map(lambda x: x[0], groups)
         metric_shapes = jax.eval_shape(lambda *a: loss_fn(*a, None)[1], params, frozen, teacher_state, first)
@@ -403,4 +421,90 @@ def stage_optimizer(stage_cfg, total_steps: int):
         end_lr_ratio=stage_cfg.end_lr_ratio,
         weight_decay=stage_cfg.weight_decay,
         clip_norm=stage_cfg.clip_norm,
+    )
+
+
+def heldout_metrics(
+    student: nnx.Module,
+    teacher: nnx.Module,
+    batch: dict[str, jax.Array],
+    settings: LossSettings,
+    place_rows: losses.RowPlacer = None,
+) -> dict[str, jax.Array]:
+    """The stage's own loss and metrics (``compute_loss``) on one batch, plus the yardstick every stage shares:
+    ``kl`` = KL(teacher ‖ student) at temperature 1 (nats/token) and ``top1`` = the fraction of tokens whose
+    argmax agrees, from the student's full logits (``losses.chunked_teacher_agreement``). ``kl`` replaces a
+    stage's own KL metric (tempered when config.<stage>.temperature ≠ 1; it is in ``loss`` then)."""
+    _, metrics = compute_loss(student, teacher, batch, settings, place_rows)
+    positions, segment_ids = token_layout(batch, settings.mask_documents)
+    ids = batch["input_ids"]
+    h_s, _ = student.hidden_states(ids, positions=positions, segment_ids=segment_ids)
+    h_t, _ = teacher.hidden_states(ids, positions=positions, segment_ids=segment_ids)
+    kl, top1 = losses.chunked_teacher_agreement(
+        h_s,
+        h_t,
+        student.logits_from_hidden,
+        teacher.logits_from_hidden,
+        batch["loss_mask"],
+        chunk=settings.chunk,
+        rows=settings.chunk_rows,
+        place_rows=place_rows,
+    )
+    return dict(metrics, kl=kl, top1=top1)
+
+
+def make_eval_step(
+    student_graphdef,
+    teacher_graphdef,
+    settings: LossSettings,
+    *,
+    step_settings: StepSettings = StepSettings(),
+    model_params=None,
+    batch_sharding=None,
+    groups: int = 1,
+):
+    """evaluate(params, frozen, teacher_state, batch) -> ``heldout_metrics``; pure, no gradient, no update.
+
+    ``params`` are the train state's (master dtype; cast like the train step's). ``groups`` > 1 evaluates the
+    batch as that many interleaved row groups one after the other (a ``lax.scan``, one group's activations alive)
+    and combines them weighted by their token counts (``token_weighted_groups``): the whole batch's masked means.
+    """
+    place_rows = row_placer(batch_sharding)
+    merge = _model_merger(student_graphdef, teacher_graphdef, model_params, step_settings)
+
+    def metrics_of(params, frozen, teacher_state, batch):
+        student, teacher = merge(params, frozen, teacher_state)
+        return heldout_metrics(student, teacher, batch, settings, place_rows)
+
+    def evaluate(params, frozen, teacher_state, batch):
+        if groups == 1:
+            return metrics_of(params, frozen, teacher_state, batch)
+        grouped, weights = token_weighted_groups(batch, groups, place_rows)
+
+        def body(total, xs):
+            group, weight = xs
+            metrics = metrics_of(params, frozen, teacher_state, losses.place(place_rows, group, 0))
+            return jax.tree.map(lambda t, x: t + weight * x.astype(jnp.float32), total, metrics), None
+
+        first = jax.tree.map(lambda x: x[0], grouped)
+        shapes = jax.eval_shape(metrics_of, params, frozen, teacher_state, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        total, _ = jax.lax.scan(body, zeros, (grouped, weights))
+        return total
+
+    return evaluate
+
+
+def jit_eval_step(eval_fn, layout: StageLayout, teacher_shardings):
+    """``jax.jit`` of a ``make_eval_step`` function with the layout's shardings; nothing is donated (the train
+    state goes on training), the metrics come back replicated."""
+    return jax.jit(
+        eval_fn,
+        in_shardings=(
+            layout.shardings["params"],
+            layout.shardings["frozen"],
+            teacher_shardings,
+            layout.batch_sharding,
+        ),
+        out_shardings=layout.shardings["step"],
     )

@@ -29,7 +29,9 @@ from hydrahead_jax.training.steps import (
     abstract_with_shardings,
     cast_like,
     f32_param_target,
+    jit_eval_step,
     jit_train_step,
+    make_eval_step,
     make_train_step,
     stage_layout,
     stage_optimizer,
@@ -50,6 +52,9 @@ class StageSpec:
     make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
     mask_documents: bool = True  # config.data.mask_documents: packed documents run each on its own
+    # The stage's fixed held-out batch, whole ([rows, seq_len] per feature, the same on every process:
+    # ``training.data.make_heldout_batch``), or None: no held-out evaluation.
+    heldout: dict[str, np.ndarray] | None = None
 
 
 class Preempted(RuntimeError):
@@ -85,6 +90,54 @@ class TeacherHandle:
         shardings = shd.state_shardings(state, mesh)
         self.state = jax.device_put(nnx.as_pure(state), shardings)
         self.shardings = shardings
+
+
+class HeldoutEval:
+    """The stage's fixed held-out batch placed on the mesh, and its jitted evaluation (``steps.make_eval_step``).
+
+    Every process holds the whole batch (it is small, and a function of the config alone) and takes its devices'
+    blocks of it, so all processes evaluate the same global batch without reading per-process rows. The rows are
+    padded to a multiple of the data-parallel devices (and of the loss's row tiles) with copies of the first row
+    whose loss_mask is 0: every metric is a masked token mean, so padding changes no value. A batch of more rows
+    than one of the train step's micro-batches is evaluated in groups of that many rows (the activations of one
+    group alive, as in training)."""
+
+    def __init__(self, batch, stage_cfg, layout, settings, step_settings, teacher: TeacherHandle, mesh):
+        rows = len(batch["input_ids"])
+        self.shape = (rows, int(batch["input_ids"].shape[1]))
+        data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+        group_rows = stage_cfg.batch_size // step_settings.micro_batches  # a multiple of data_parallel (checked)
+        padded = -(-rows // data_parallel) * data_parallel
+        groups = 1
+        if padded > group_rows:
+            groups = -(-rows // group_rows)
+            padded = groups * group_rows
+        elif settings.chunk_rows and settings.chunk_rows < padded:
+            padded = -(-padded // settings.chunk_rows) * settings.chunk_rows
+        extra = padded - rows
+        host = {k: np.concatenate([v, np.repeat(v[:1], extra, axis=0)]) for k, v in batch.items()}
+        host["loss_mask"][rows:] = 0
+        sharding = layout.batch_sharding
+        self.batch = {
+            k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in host.items()
+        }
+        fn = make_eval_step(
+            layout.graphdef,
+            teacher.graphdef,
+            settings,
+            step_settings=step_settings,
+            model_params=layout.model_params,
+            batch_sharding=sharding,
+            groups=groups,
+        )
+        self._evaluate = jit_eval_step(fn, layout, teacher.shardings)
+        self._teacher_state, self._mesh = teacher.state, mesh
+
+    def __call__(self, state) -> dict[str, float]:
+        """The held-out metrics of the train state ``state`` (read back: waits for them)."""
+        with jax.set_mesh(self._mesh):
+            metrics = self._evaluate(state["params"], state["frozen"], self._teacher_state, self.batch)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def run_stage(
@@ -245,6 +298,20 @@ def _train(
     teacher_sh = teacher.shardings if teacher_state is not None else None
     jstep = jit_train_step(step_fn, layout, teacher_sh)
 
+    heldout = None
+    if spec.heldout is not None and scfg.heldout_rows > 0:
+        if teacher is None:
+            raise ValueError(
+                f"stage {key}: the held-out evaluation compares the student with the teacher; pass the teacher or "
+                f"set config.{key}.heldout_rows=0."
+            )
+        heldout = HeldoutEval(spec.heldout, scfg, layout, settings, step_settings, teacher, mesh)
+    every = scfg.heldout_every
+
+    def heldout_due(step: int) -> bool:
+        """Held-out points: step 0 (before any update), every ``heldout_every`` steps, the last step."""
+        return heldout is not None and (step in (0, steps) or (every > 0 and step % every == 0))
+
     logger = StageLogger(
         workdir,
         spec.directory.name,
@@ -253,6 +320,8 @@ def _train(
         tokens_per_step=scfg.tokens_per_step,
         tensorboard=logging_cfg.tensorboard,
         progress=logging_cfg.progress,
+        heldout_file=spec.directory / "heldout.json",
+        heldout_shape=None if heldout is None else heldout.shape,
     )
     # A checkpoint holds the state S_n after step n's update. It is good only when the loss and gradients computed
     # FROM it (step n+1's metrics) are finite, so every save is provisional until those are read: a non-finite
@@ -285,6 +354,11 @@ def _train(
     compiled = None
     preemption = PreemptionWatch()
     try:
+        # A held-out point's row is logged before that step's checkpoint is saved: a resumed stage finds the rows
+        # of every held-out point up to its checkpoint in metrics.jsonl (step 0's among them) and evaluates none
+        # of them again; rows past the checkpoint are dropped by the logger and logged again.
+        if not resumed and heldout_due(0):
+            logger.log_heldout(0, heldout(state))
         for step in range(start, steps):
             if preemption.requested:
                 # SIGTERM (a preempted TPU VM, SLURM's notice): checkpoint the last finished step and stop.
@@ -309,8 +383,12 @@ def _train(
             if pending is not None:
                 metrics = report(*pending)
             pending = (done, device_metrics)
+            if heldout_due(done):
+                metrics, pending = report(*pending), None  # a non-finite step stops before its held-out row
+                logger.log_heldout(done, heldout(state))
             if done == steps or ckpt.should_save(done):
-                metrics, pending = report(*pending), None
+                if pending is not None:
+                    metrics, pending = report(*pending), None
                 if not bool(params_finite(state["params"])):
                     check_finite(done, key, {"params": math.nan}, last_good, ckpt.directory)
                 full = _full_state(gd, state)
@@ -318,12 +396,15 @@ def _train(
                     unconfirmed = done
                     if done == steps:
                         last_good = done
+        summary = logger.heldout_summary()
     finally:
         preemption.close()
         logger.close()
         ckpt.wait()  # the last good checkpoint is complete on disk before we leave, error or not
     ckpt.mark_done(steps)
     print(f"[{spec.directory.name}] done: {steps} steps, final loss {metrics['loss']:.4f}", flush=True)
+    if summary is not None:
+        print(summary, flush=True)
     return _full_state(gd, state)
 
 
