@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tensorboard)   evaluation: $(WORKDIR)/eval/report.md"
 
 test: $(VENV)/.installed-dev lint
-	$(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Lint and format check (pyproject.toml); `make format` rewrites the tree in the house style.
 lint: $(VENV)/.installed-dev

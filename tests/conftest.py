@@ -20,6 +20,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+import collections  # noqa: E402
 import fcntl  # noqa: E402
 
 import pytest  # noqa: E402
@@ -40,3 +41,14 @@ def gensim_wheel():
             return fetch_gensim_wheel(cache)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files that hold a test marked ``slow`` run first, then the other files by their number of tests, most first
+    (each file's own order kept). `make test` hands whole files to its workers in this order (``--dist loadfile
+    --no-loadscope-reorder``): starting the long files first leaves only short ones for the end, so the two workers
+    finish together instead of one running a long file alone (xdist's own order, by number of tests only, left the
+    two-process training run and the fault injection, files of few but long tests, for the end)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    counts = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow_files, -counts[item.path]))  # stable within a file
