@@ -10,8 +10,8 @@ if "xla_force_host_platform_device_count" not in _flags:
 # then run for milliseconds, and LLVM's optimisation passes are the bulk of each compile. At level 0 the generated
 # code computes the same operations in the same order (fast-math stays off either way; at most a fused multiply-add
 # rounds differently), so every assertion checks the same values, while a test that is mostly compilation runs
-# 1.5-1.7x faster. Set in os.environ, so the train.py and bench
-# subprocesses of the tests inherit it; an explicit level in $XLA_FLAGS wins (=3 is XLA's default).
+# 1.5-1.7x faster. Set in os.environ, so the train.py and bench subprocesses of the tests inherit it; an explicit
+# level in $XLA_FLAGS wins (=3 is XLA's default).
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
