@@ -123,8 +123,8 @@ def _loss_grads(model, ids):
     return nnx.grad(_loss)(model, ids)
 
 
-@pytest.mark.parametrize("fusion", ["la_only", "both"])
-def test_zero_mu_reproduces_the_model_without_mu(fusion):
+def test_zero_mu_reproduces_the_model_without_mu():
+    fusion = "both"  # μ on every head of the hybrid layers, FA ones included
     teacher = random_teacher()
     ids = ids_of((2, 32), seed=5)
     head_map = HeadMap.from_fa_groups(CFG, [[0], [], [1]], method="test")
@@ -218,3 +218,28 @@ def test_export_loads_with_and_without_mu(tmp_path):
 def test_bad_init_settings_are_refused(changes, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         HybridConfig(**changes)
+
+
+def test_init_study_variants_and_reuse(tmp_path):
+    from hydrahead_jax.experiments import init_study
+
+    assert init_study.parse_variant("fit:fusion_init=fit,fusion_bias=True,gdn_dt_min=1e-4") == (
+        "fit",
+        {"fusion_init": "fit", "fusion_bias": True, "gdn_dt_min": 1e-4},
+    )
+    for bad in ("fit", "x:nonsense=1", "x:fusion_init"):
+        with pytest.raises(init_study.StudyError, match="FIELD=VALUE"):
+            init_study.parse_variant(bad)
+    assert init_study.main(["--no-defaults", "--variant", "bad:gdn_beta=2"]) == 2  # refused before any loading
+    for changes in init_study.DEFAULT_VARIANTS.values():
+        HybridConfig(**changes)  # every built-in variant is a valid config
+    settings = dict(config="c", teacher="t", head_map="h", rows=4, length=512, calibration_shape=[4, 256], stage1=None)
+    row = {"hybrid": {}, "at_init": {"kl": 1.0}, "after_stage1": {"kl": 0.5}, "stage1_seconds": 3.0}
+    path = tmp_path / "init_study.json"
+    path.write_text(json.dumps({"settings": settings, "variants": {"default": row}}))
+    # a stage-1 run of other settings keeps the at-init numbers only; other windows keep nothing
+    assert init_study._reusable(path, {**settings, "stage1": {"steps": 40}}) == {
+        "default": {"hybrid": {}, "at_init": {"kl": 1.0}}
+    }
+    assert init_study._reusable(path, settings) == {"default": row}
+    assert init_study._reusable(path, {**settings, "rows": 2}) == {}

@@ -247,7 +247,7 @@ def render_markdown(result: dict) -> str:
         "",
         f"Teacher {s['teacher']}, head map {s['head_map']} ({s['fa_groups']} of {s['kv_groups']} KV groups FA); "
         f"held-out news, {s['rows']} windows × {s['length']} tokens; calibration batch {s['calibration_shape']}.",
-        f"Teacher perplexity {result['teacher_ppl']:.1f}. Load average at start {s['load_start']}, "
+        f"Teacher perplexity {result['teacher_ppl'] or float('nan'):.1f}. Load average at start {s['load_start']}, "
         f"at end {s.get('load_end')}.",
         "",
     ]
@@ -360,6 +360,7 @@ def _main(args) -> int:
         "variants": {},
     }
     json_path = out / "init_study.json"
+    previous = _reusable(json_path, result["settings"])
 
     def write():
         result["teacher_ppl"] = study.teacher_ppl
@@ -372,6 +373,13 @@ def _main(args) -> int:
         bar.set_postfix_str(f"{name} {what}")
         changes = variants[name]
         row = result["variants"].setdefault(name, {"hybrid": changes})
+        done = previous.get(name, {})
+        if done.get("hybrid") == changes and done.get(_key(what)):  # measured by an earlier run of the same study
+            row.update({k: v for k, v in done.items() if k.startswith(_key(what)) or k.startswith(what)})
+            study.teacher_ppl = study.teacher_ppl or row[_key(what)]["teacher_ppl"]
+            tqdm.write(f"[init_study] {name} {what}: reused from {json_path}")
+            write()
+            continue
         if what == "init":
             start = time.perf_counter()
             student = study.student_at_init(HybridConfig(**changes))
@@ -387,6 +395,26 @@ def _main(args) -> int:
     print(render_markdown(result))
     print(f"wrote {json_path} and {out / 'init_study.md'}")
     return 0
+
+
+def _reusable(path: Path, settings: dict) -> dict:
+    """The variants of an earlier init_study.json in the same folder whose measurements still apply: at-init rows
+    when the teacher, head map, held-out windows and calibration batch are the same, stage-1 rows when the stage-1
+    settings are the same too (others are dropped)."""
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    same = ("config", "teacher", "head_map", "rows", "length", "calibration_shape")
+    if any(old.get("settings", {}).get(k) != settings[k] for k in same):
+        return {}
+    keep_stage1 = old["settings"].get("stage1") == settings["stage1"]
+    return {
+        name: {k: v for k, v in row.items() if keep_stage1 or not k.startswith(("after_stage1", "stage1"))}
+        for name, row in old.get("variants", {}).items()
+    }
 
 
 def _key(what: str) -> str:
