@@ -13,12 +13,14 @@ gives each layer its FA groups; every other group is LA:
 Scale-normalised fusion (our design; the paper's formula is not public). For every head h it touches (the LA heads
 for ``la_only``, all heads of the layer for ``both``):
 
-    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε)          γ_h ∈ R (``head``) or R^D (``channel``)
+    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε) (+ μ_h)   γ_h ∈ R (``head``) or R^D (``channel``)
 
 FA and LA heads produce outputs of very different magnitude (a softmax average of values vs a delta-rule state
 read-out); normalising each head and rescaling it to what the teacher's head produced puts them on the teacher's
-scale. γ is learnable, initialised from the teacher's measured per-head output RMS (``hybrid/fusion.py``).
-``none`` leaves outputs untouched.
+scale. γ is learnable, initialised from the teacher's measured per-head output RMS or by a least-squares fit to
+the teacher's head outputs (``hybrid/fusion.py``). The optional offset μ_h ∈ R^D (``fusion_bias``) carries the
+part of a teacher head's output that does not depend on the token (attention-sink heads output nearly a
+constant). ``none`` leaves outputs untouched.
 
 Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
 and, with the conv, conv_state [B, conv_size−1, C] for the LA groups.
@@ -58,9 +60,12 @@ def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
 
 
 class ScaleFusion(nnx.Module):
-    """Per-head RMS normalisation times a learnable γ for the query heads ``heads`` (original indices, sorted)."""
+    """Per-head RMS normalisation times a learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at
+    construction) for the query heads ``heads`` (original indices, sorted)."""
 
-    def __init__(self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype):
+    def __init__(
+        self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype, bias: bool = False
+    ):
         self.heads = tuple(heads)
         self.granularity = granularity
         self.eps = eps
@@ -68,33 +73,42 @@ class ScaleFusion(nnx.Module):
         self.gamma = nnx.Param(
             jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
         )
+        if bias:
+            self.mu = nnx.Param(
+                jnp.zeros((len(heads), head_dim), param_dtype), out_sharding=("norm", None), eager_sharding=False
+            )
+        else:
+            self.mu = None
 
     def __call__(self, o: jax.Array) -> jax.Array:
         """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
         gamma = self.gamma[...]
-        return _scale_rms_norm(o, gamma[:, None] if self.granularity == "head" else gamma, self.eps)
+        gamma = gamma[:, None] if self.granularity == "head" else gamma
+        return _scale_rms_norm(o, gamma, None if self.mu is None else self.mu[...], self.eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scale_rms_norm(o: jax.Array, gamma: jax.Array, eps: float) -> jax.Array:
-    """γ ⊙ o / sqrt(mean_D o² + eps) per head, fp32 inside, in o's dtype; γ [H, 1] or [H, D].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _scale_rms_norm(o: jax.Array, gamma: jax.Array, mu: jax.Array | None, eps: float) -> jax.Array:
+    """γ ⊙ o / sqrt(mean_D o² + eps) (+ μ) per head, fp32 inside, in o's dtype; γ [H, 1] or [H, D], μ [H, D] or None.
 
-    Hand-written VJP (``gated_rms_norm_grads`` without a gate) that keeps only o (in its own dtype) and γ and
-    recomputes the normalisation: autodiff kept the fp32 normalised o from the forward to the backward next to the
-    output (which o_proj keeps), and that pair sat at the hybrid layer's peak.
+    Hand-written VJP (``gated_rms_norm_grads`` without a gate, and ∂L/∂μ = Σ_{b,t} ∂L/∂y) that keeps only o (in its
+    own dtype), γ and μ and recomputes the normalisation: autodiff kept the fp32 normalised o from the forward to
+    the backward next to the output (which o_proj keeps), and that pair sat at the hybrid layer's peak.
     """
-    return (rms_normalize(o, eps) * gamma.astype(jnp.float32)).astype(o.dtype)
+    y = rms_normalize(o, eps) * gamma.astype(jnp.float32)
+    return (y if mu is None else y + mu.astype(jnp.float32)).astype(o.dtype)
 
 
-def _scale_rms_norm_fwd(o, gamma, eps):
-    return _scale_rms_norm(o, gamma, eps), (o, gamma)
+def _scale_rms_norm_fwd(o, gamma, mu, eps):
+    return _scale_rms_norm(o, gamma, mu, eps), (o, gamma, mu)
 
 
 def _scale_rms_norm_bwd(eps, res, dy):
     # The barrier keeps XLA from merging the recomputed normalisation with the forward's (which would keep it).
-    (o, gamma), dy = jax.lax.optimization_barrier((res, dy))
+    (o, gamma, mu), dy = jax.lax.optimization_barrier((res, dy))
     do, _, dgamma = gated_rms_norm_grads(o, None, gamma, dy, eps)
-    return do, dgamma.astype(gamma.dtype)
+    dmu = None if mu is None else jnp.sum(dy.astype(jnp.float32), axis=tuple(range(dy.ndim - 2))).astype(mu.dtype)
+    return do, dgamma.astype(gamma.dtype), dmu
 
 
 _scale_rms_norm.defvjp(_scale_rms_norm_fwd, _scale_rms_norm_bwd)
@@ -146,6 +160,7 @@ class HydraHeadAttention(Attention):
                 granularity=hc.fusion_granularity,
                 eps=cfg.rms_norm_eps,
                 param_dtype=cfg.jnp_param_dtype,
+                bias=hc.fusion_bias,
             )
         else:
             self.fusion = None
@@ -167,6 +182,17 @@ class HydraHeadAttention(Attention):
         if probe is not None:
             raise ValueError("head-selection probes run on the teacher, not on a HydraHead student.")
         check_segments(segment_ids, cache, probe)
+        return self._fused_outputs(x, positions, cache, cache_index, segment_ids, fuse=True)
+
+    def fusion_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """What the fusion receives, in the order of ``fusion.heads`` (no cache): the LA heads' outputs for
+        ``la_only``, every head's for ``both``; [B,T,len(fusion.heads),D]. The fusion's calibration fits γ, μ on it."""
+        if getattr(self, "fusion", None) is None:
+            raise ValueError("this layer has no fusion (fusion='none', or every KV group is FA).")
+        return self._fused_outputs(x, positions, None, None, None, fuse=False)[0]
+
+    def _fused_outputs(self, x, positions, cache, cache_index, segment_ids, *, fuse: bool):
+        """``head_outputs`` of a hybrid layer; ``fuse=False`` returns the fusion's input instead (no cache)."""
         q, k, v = self.project_heads(x)
         new_cache = None if cache is None else dict(cache)
         parts = []
@@ -193,12 +219,16 @@ class HydraHeadAttention(Attention):
         if cache is not None:
             new_cache.update(la_cache)
         if self.hybrid_cfg.fusion == "la_only":
+            if not fuse:
+                return o_la, None
             o_la = self.fusion(o_la)
         parts.append(o_la.astype(q.dtype))
         out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
         if self.fa_groups:
             out = take_heads(out, self.head_order)
         if self.hybrid_cfg.fusion == "both":
+            if not fuse:
+                return out, None
             out = self.fusion(out)
         return out, new_cache
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hydrahead_jax.config import ConfigError
@@ -11,6 +12,7 @@ from pallas_kernels.dispatch import IMPLEMENTATIONS
 
 FUSIONS = ("none", "la_only", "both")
 FUSION_GRANULARITIES = ("head", "channel")
+FUSION_INITS = ("rms", "fit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,16 @@ class HybridConfig:
         LA heads zeroed instead: ppl 44,559. The decay α already gives the LA heads a sense of recency.
     fusion: scale-normalised fusion of head outputs: "none" (identity), "la_only", "both" (FA and LA heads).
     fusion_granularity: one learnable γ per head ("head") or per head channel ("channel").
+    fusion_bias: the fused heads get a learnable per-channel offset μ_h ∈ R^D after the scale,
+        ô = γ_h ⊙ RMSNorm(o_h) + μ_h; zero-initialised (the model is unchanged until μ is fitted or trained).
+        Off: no μ parameter (the parameter tree of models built before it existed).
+    fusion_init: how γ (and μ) start, from the calibration batch: "rms" (γ = the teacher head's output RMS, μ = 0)
+        or "fit" (γ, μ the least-squares fit of the fused head output to the teacher head's output, given the
+        student's normalised output at init; ``hybrid/fusion.py``). "fit" without ``fusion_bias`` fits γ alone.
+    gdn_dt_min, gdn_dt_max: range of the GDN heads' initial step dt (decay α = exp(−dt) per token at A = 1), spread
+        geometrically over a layer's LA heads; memories of ~1/dt tokens.
+    gdn_beta: the GDN heads' write strength β at init (W_b = 0): β_t = sigmoid(x_t W_b + logit(gdn_beta)), the
+        offset a constant of the model (0.5: no offset).
     gdn_chunk_size: chunk length of the chunked gated delta rule (prefill / training).
     gdn_implementation, attention_implementation: backend names passed to the kernels.
     attention_context_parallel: how the FA groups get their keys when the sequence is split over the ``sequence``
@@ -41,13 +53,18 @@ class HybridConfig:
     la_rope: bool = False
     fusion: str = "both"
     fusion_granularity: str = "head"
+    fusion_bias: bool = False
+    fusion_init: str = "rms"
+    gdn_dt_min: float = 1e-3
+    gdn_dt_max: float = 1e-1
+    gdn_beta: float = 0.5
     gdn_chunk_size: int = 64
     gdn_implementation: str = "auto"
     attention_implementation: str = "auto"
     attention_context_parallel: str = "allgather"
 
     def __post_init__(self):
-        for field in ("use_conv", "use_output_gate", "la_rope"):
+        for field in ("use_conv", "use_output_gate", "la_rope", "fusion_bias"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"HybridConfig.{field} must be True or False, got {getattr(self, field)!r}.")
         for field in ("conv_size", "gdn_chunk_size"):
@@ -69,6 +86,28 @@ class HybridConfig:
         if self.fusion_granularity not in FUSION_GRANULARITIES:
             raise ConfigError(
                 f"HybridConfig.fusion_granularity={self.fusion_granularity!r}; choose one of {FUSION_GRANULARITIES}."
+            )
+        if self.fusion_init not in FUSION_INITS:
+            raise ConfigError(f"HybridConfig.fusion_init={self.fusion_init!r}; choose one of {FUSION_INITS}.")
+        if self.fusion == "none" and (self.fusion_bias or self.fusion_init != "rms"):
+            raise ConfigError(
+                f"HybridConfig.fusion='none' has no fused heads, so fusion_bias={self.fusion_bias} and "
+                f"fusion_init={self.fusion_init!r} have nothing to act on; set fusion='la_only' or 'both', or leave "
+                "fusion_bias=False and fusion_init='rms'."
+            )
+        for field in ("gdn_dt_min", "gdn_dt_max", "gdn_beta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"HybridConfig.{field} must be a number, got {value!r}.")
+        if not 0 < self.gdn_dt_min <= self.gdn_dt_max:
+            raise ConfigError(
+                f"HybridConfig.gdn_dt_min={self.gdn_dt_min}, gdn_dt_max={self.gdn_dt_max}: need "
+                "0 < gdn_dt_min <= gdn_dt_max (the defaults are 1e-3 and 1e-1)."
+            )
+        if not 0 < self.gdn_beta < 1:
+            raise ConfigError(
+                f"HybridConfig.gdn_beta={self.gdn_beta} is a sigmoid output: choose a value strictly between 0 and 1 "
+                "(0.5 is the default)."
             )
         for field in ("gdn_implementation", "attention_implementation"):
             if getattr(self, field) not in IMPLEMENTATIONS:

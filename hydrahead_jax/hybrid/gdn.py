@@ -15,10 +15,13 @@ repeated head-granularly (k for query head h = k of KV head h // G), so the teac
 Initialisation (the student should start close to the teacher):
 - conv: identity (last tap 1, others 0) and *no* SiLU: flash-linear-attention applies SiLU after the conv, but
   silu(v) would change the teacher's values at init; a linear conv starts as exactly the teacher's q/k/v.
-- A_log = 0 (A = 1), W_a = 0 and dt_bias = softplus⁻¹(dt) with dt spread geometrically over [1e-3, 1e-1]
-  across the layer's LA heads: decays α ∈ [0.905, 0.999], i.e. memories of ~10 to ~1000 tokens, long like
-  the softmax heads they replace, and a spread so that different heads can specialise.
-- W_b = 0: β = 0.5 for every token, a moderate write strength (β = 1 would overwrite a key's value fully).
+- A_log = 0 (A = 1), W_a = 0 and dt_bias = softplus⁻¹(dt) with dt spread geometrically over
+  [gdn_dt_min, gdn_dt_max] = [1e-3, 1e-1] (defaults) across the layer's LA heads: decays α ∈ [0.905, 0.999],
+  i.e. memories of ~10 to ~1000 tokens, long like the softmax heads they replace, and a spread so that different
+  heads can specialise.
+- W_b = 0: β = gdn_beta for every token, 0.5 by default, a moderate write strength (β = 1 would overwrite a
+  key's value fully). β_t = sigmoid(x_t W_b + logit(gdn_beta)); the offset is a constant, not a parameter, so
+  the parameter tree does not depend on it.
 - W_z = 0, b_z = silu⁻¹(1) ≈ 1.2785: the gate is exactly 1 at init, so the gated norm is a plain RMSNorm.
 Zero kernels still get gradients (∂L/∂W = xᵀ ∂L/∂a), and they make the initial student independent of the seed.
 """
@@ -66,11 +69,11 @@ def inverse_softplus(y: np.ndarray) -> np.ndarray:
     return y + np.log(-np.expm1(-y))
 
 
-def initial_dt(n_heads: int) -> np.ndarray:
-    """dt per head, geometrically spaced in [DT_MIN, DT_MAX] (one head: their geometric mean)."""
+def initial_dt(n_heads: int, dt_min: float = DT_MIN, dt_max: float = DT_MAX) -> np.ndarray:
+    """dt per head, geometrically spaced in [dt_min, dt_max] (one head: their geometric mean)."""
     if n_heads == 1:
-        return np.array([math.sqrt(DT_MIN * DT_MAX)])
-    return np.geomspace(DT_MIN, DT_MAX, n_heads)
+        return np.array([math.sqrt(dt_min * dt_max)])
+    return np.geomspace(dt_min, dt_max, n_heads)
 
 
 def _conv_inputs(x: jax.Array, state: jax.Array | None, width: int) -> jax.Array:
@@ -314,8 +317,11 @@ class GatedDeltaNetHeads(nnx.Module):
         self.b_proj = nnx.Linear(d, n, use_bias=False, kernel_init=param_init(zeros, ("embed", None)), **linear)
         self.A_log = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("norm",), eager_sharding=False)
         self.dt_bias = nnx.Param(
-            jnp.asarray(inverse_softplus(initial_dt(n)), pdt), out_sharding=("norm",), eager_sharding=False
+            jnp.asarray(inverse_softplus(initial_dt(n, hybrid_cfg.gdn_dt_min, hybrid_cfg.gdn_dt_max)), pdt),
+            out_sharding=("norm",),
+            eager_sharding=False,
         )
+        self.beta_offset = math.log(hybrid_cfg.gdn_beta / (1.0 - hybrid_cfg.gdn_beta))  # logit; 0 at β = 0.5
         if hybrid_cfg.use_conv:
             channels = (n + 2 * self.num_kv) * hd  # q of the LA query heads, k and v of their KV heads
             weight = jnp.zeros((hybrid_cfg.conv_size, channels), pdt).at[-1].set(1)
@@ -337,7 +343,7 @@ class GatedDeltaNetHeads(nnx.Module):
         a = self.a_proj(x).astype(jnp.float32)
         dt = jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * dt
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32) + self.beta_offset)
         return g, beta
 
     def conv(self, q, k, v, state, segment_ids=None):
