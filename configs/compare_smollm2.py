@@ -39,9 +39,13 @@ def _random(seed: int) -> dict:
 def get_config(arg: str | None = None):
     c = ConfigDict()
     base = smollm2_hydrahead.get_config()
-    base.logging.progress = False  # one line per stage and variant from the comparison instead of 13 × 3 bars
+    base.logging.progress = False  # one line per stage and variant from the comparison instead of 15 × 3 bars
+    # Held-out points at the scaled budget (30 / 12 / 6 steps): about four per stage, for the loss curves.
+    base.stage1.heldout_every = 10
+    base.stage2.heldout_every = 4
+    base.stage3.heldout_every = 3
     c.base = base
-    c.budget_scale = 0.7
+    c.budget_scale = 0.3
     c.variants = [
         {"name": "hydrahead_7to1", "overrides": dict(_HYDRAHEAD)},
         {"name": "hydrahead_7to1_retrieval", "overrides": {"selection.method": "retrieval"}},
@@ -54,6 +58,13 @@ def get_config(arg: str | None = None):
         {"name": "hydrahead_25pct", "overrides": {"selection.ratio": "25%"}},
         {"name": "hydrahead_7to1_fusion_none", "overrides": {"hybrid.fusion": "none"}},
         {"name": "hydrahead_7to1_fusion_la_only", "overrides": {"hybrid.fusion": "la_only"}},
+        # Initialisation (issue 17 item 4): γ and the offset μ fitted by least squares to the teacher's head
+        # outputs on the calibration batch (hybrid/fusion.py) instead of γ = the teacher head's RMS.
+        {"name": "hydrahead_7to1_fit", "overrides": {"hybrid.fusion_init": "fit", "hybrid.fusion_bias": True}},
+        {
+            "name": "hydrahead_7to1_fit_la_only",
+            "overrides": {"hybrid.fusion": "la_only", "hybrid.fusion_init": "fit", "hybrid.fusion_bias": True},
+        },
         {"name": "hydrahead_2to1_global", "overrides": {"selection.ratio": "2:1", "selection.allocation": "global"}},
         {
             "name": "hydrahead_2to1_per_layer",
