@@ -243,3 +243,40 @@ def test_init_study_variants_and_reuse(tmp_path):
     }
     assert init_study._reusable(path, settings) == {"default": row}
     assert init_study._reusable(path, {**settings, "rows": 2}) == {}
+
+
+def test_init_study_after_stage1_measures_stage1s_final_student(tmp_path):
+    """``Study.after_stage1`` trains stage 1 through the pipeline and measures the student of its final checkpoint
+    (it once handed the restore the module instead of its state: the restore failed and the checkpoint was set
+    aside as corrupt). Checked against the checkpoint restored independently (tests/test_heldout.py)."""
+    from test_heldout import _restore
+
+    from hydrahead_jax.experiments import init_study
+    from hydrahead_jax.run_config import STAGES
+    from hydrahead_jax.training.pipeline import load_teacher, run_pipeline
+
+    recipe = str(tmp_path / "recipe.py")  # the tiny recipe, a batch row per simulated device
+    (tmp_path / "recipe.py").write_text(
+        "from configs import tiny\n\n\ndef get_config(arg=None):\n    c = tiny.get_config()\n"
+        "    for key in ('stage1', 'stage2', 'stage3'):\n        c[key].batch_size = 8\n    return c\n"
+    )
+    run_pipeline(init_study.run_config(recipe, {}), tmp_path / "select", until_stage="select")
+    study = object.__new__(init_study.Study)  # the parts after_stage1 uses: the tiny teacher has no tokenizer
+    study.recipe, study.out = recipe, tmp_path
+    study.head_map_path = str(tmp_path / "select" / "head_map.json")
+    _, _, study.cfg = load_teacher(init_study.run_config(recipe, {}).teacher)
+    study.head_map = HeadMap.load(study.head_map_path, study.cfg)
+    measured = {}
+    study.measure = lambda name, student: measured.setdefault(name, student) and {"kl": 0.0}
+    hybrid = {"fusion_init": "fit", "fusion_bias": True}
+    _, seconds = study.after_stage1("fit", hybrid, {"steps": 2, "checkpoint_every": 2, "heldout_rows": 0})
+    assert seconds > 0 and not (tmp_path / "runs" / "fit" / STAGES[0].directory / "corrupt").exists()
+
+    c = init_study.load_recipe(recipe)
+    c.hybrid.update(hybrid)
+    want, _ = _restore(tmp_path / "runs" / "fit", STAGES[0].directory, c)
+    got = nnx.to_flat_state(nnx.state(measured["fit"]))
+    want = nnx.to_flat_state(nnx.state(want))
+    assert [path for path, _ in got] == [path for path, _ in want]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

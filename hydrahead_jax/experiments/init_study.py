@@ -222,7 +222,7 @@ class Study:
         """Stage 1 of the recipe with ``hybrid`` for ``stage1['steps']`` steps in OUT/runs/<name> (resumed or
         reused when already there); the metrics of the student it ends with, and the stage's wall time."""
         from hydrahead_jax.training import sharding as shd
-        from hydrahead_jax.training.pipeline import _final_of_previous, run_pipeline
+        from hydrahead_jax.training.pipeline import final_state_before, run_pipeline
         from hydrahead_jax.training.steps import cast_like
 
         run = run_config(self.recipe, hybrid, head_map_path=self.head_map_path, stage1=stage1)
@@ -233,7 +233,7 @@ class Study:
         abstract = nnx.eval_shape(lambda: build_model(self.cfg, self.head_map, run.hybrid, nnx.Rngs(run.seed)))
         graphdef, abstract_state = nnx.split(abstract)
         mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
-        state = _final_of_previous(workdir, 1, abstract, mesh)  # the final state of stage 1 (the stage before 2)
+        state = final_state_before(workdir, 1, abstract_state, mesh)  # the final state of stage 1 (the stage before 2)
         student = nnx.merge(graphdef, cast_like(state, nnx.as_pure(abstract_state)))
         return self.measure(name, student), seconds
 

@@ -276,7 +276,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
         if stage.name not in stages:
             continue
         if previous is None and index > 0:
-            previous = _final_of_previous(workdir, index, abstract_student, mesh)
+            previous = final_state_before(workdir, index, abstract_student, mesh)
         scfg = run.stage(stage)
         stage_dir = workdir / stage.directory
         final_step = finished_step(stage_dir)
@@ -328,7 +328,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     return None
 
 
-def _final_of_previous(workdir: Path, index: int, abstract_student, mesh):
+def final_state_before(workdir: Path, index: int, abstract_student, mesh):
     """Final full state of the stage before STAGES[index] (which must have finished)."""
     stage, prev = STAGES[index], STAGES[index - 1]
     if finished_step(workdir / prev.directory) is None:  # checked before a CheckpointManager (and its threads) exists
