@@ -65,7 +65,6 @@ PROBE_SCORES = ("retrieval", "ablation", "combined")  # the score matrices one c
 FIXED_KEYS = ("seed", "teacher.", "data.", "mesh.", "distributed")
 FIXED_STAGE_FIELDS = ("steps", "tokens", "batch_size", "seq_len", "synthetic_rate")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-HELDOUT_DATA_SEED = 200_003  # copy source: the held-out rows' seed offset, far from the training seeds
 
 
 # ------------------------------------------------------------------------------------------------ the recipe
@@ -364,13 +363,13 @@ class _Models:
 
         rows, seq_len = settings.data_rows, settings.data_seq_len
         if run.data.source == "copy":
-            from hydrahead_jax.training.data import make_stage_iterator
+            from hydrahead_jax.training.data import EVAL_SEED_INDEX, HELDOUT_SEED_OFFSET, make_stage_iterator
 
             it = make_stage_iterator(
                 run.data,
                 seq_len=seq_len,
                 batch_size=rows,
-                seed=run.seed + HELDOUT_DATA_SEED,
+                seed=run.seed + HELDOUT_SEED_OFFSET + EVAL_SEED_INDEX,
                 vocab_size=self.teacher(run)[0].cfg.vocab_size,
                 synthetic_rate=0.0,
                 batch_rows=range(rows),

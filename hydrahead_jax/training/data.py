@@ -15,9 +15,11 @@ from hydrahead_jax.data.pipeline import make_train_iterator, resolve_batch_rows,
 from hydrahead_jax.data.rows import FEATURES, CopyRows
 from hydrahead_jax.run_config import DataConfig
 
-# Held-out copy rows of the stage at index i use seed run.seed + HELDOUT_SEED_OFFSET + i: far from every seed a
-# training iterator or the calibration batch uses (run.seed + 1000·(i+1), run.seed + 7919).
+# Held-out copy rows of the stage at index i use seed run.seed + HELDOUT_SEED_OFFSET + i, and the evaluation rows of
+# experiments.compare run.seed + HELDOUT_SEED_OFFSET + EVAL_SEED_INDEX: far from every seed a training iterator or
+# the calibration batch uses (run.seed + 1000·(i+1), run.seed + 7919).
 HELDOUT_SEED_OFFSET = 104_729
+EVAL_SEED_INDEX = 100
 
 
 def make_stage_iterator(
