@@ -271,6 +271,14 @@ def test_comparison_outputs(compared):
             data = v[when]["data"]
             assert 0 <= data["top1"] <= 1 and data["kl"] >= 0 and data["positions"] == 2 * 32
         assert set(v["curves"]) == {"stage1_align", "stage2_distil", "stage3_long"}
+        # each stage's held-out start and end are its first and last held-out rows in metrics.jsonl
+        rows = [json.loads(line) for line in (workdir / "variants" / v["name"] / "metrics.jsonl").open()]
+        for stage, ends in v["heldout"].items():
+            held = [r for r in rows if r["stage"] == stage and r.get("split") == "heldout"]
+            assert ends["start"]["step"] == 0 and ends["end"]["step"] == max(r["step"] for r in held) == 2
+            for end, row in (("start", held[0]), ("end", held[-1])):
+                assert ends[end]["kl"] == row["kl"] and ends[end]["top1"] == row["top1"], (v["name"], stage, end)
+        assert set(v["heldout"]) == set(v["curves"])
     assert results["teacher"]["data"]["ppl"] > 1 and "kl" not in results["teacher"]["data"]
     # the random seeds are one row, mean ± sample spread of their two members
     row = next(r for r in results["summary"] if r["group"] == "random_3to1")
@@ -280,3 +288,4 @@ def test_comparison_outputs(compared):
     report = (workdir / "report.md").read_text()
     assert "| random_3to1 | 2 | 1 of 4 | 64 |" in report and "| layerwise_1to1 | 1 | 2 of 4 | 128 |" in report
     assert "the teacher has no tokenizer" in report  # what was skipped is said
+    assert "## Held-out batch of each stage" in report

@@ -647,9 +647,7 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
     return results
 
 
-def heldout_curves(vdir: Path) -> tuple[dict[str, list[list[float]]], str]:
-    """{stage directory: [[tokens_seen, loss], ...]} from the variant's metrics.jsonl: its held-out rows
-    ("split": "heldout"), or its training rows when it has none; and which of the two."""
+def _metrics_rows(vdir: Path) -> list[dict]:
     rows = []
     try:
         for line in (vdir / "metrics.jsonl").read_text().splitlines():
@@ -657,6 +655,13 @@ def heldout_curves(vdir: Path) -> tuple[dict[str, list[list[float]]], str]:
                 rows.append(json.loads(line))
     except (OSError, json.JSONDecodeError):
         rows = []
+    return rows
+
+
+def heldout_curves(vdir: Path) -> tuple[dict[str, list[list[float]]], str]:
+    """{stage directory: [[tokens_seen, loss], ...]} from the variant's metrics.jsonl: its held-out rows
+    ("split": "heldout"), or its training rows when it has none; and which of the two."""
+    rows = _metrics_rows(vdir)
     heldout = [r for r in rows if r.get("split") == "heldout"]
     source, chosen = ("heldout", heldout) if heldout else ("training", [r for r in rows if "split" not in r])
     curves: dict[str, list[list[float]]] = {}
@@ -664,6 +669,21 @@ def heldout_curves(vdir: Path) -> tuple[dict[str, list[list[float]]], str]:
         if "loss" in r and "tokens_seen" in r:
             curves.setdefault(str(r["stage"]), []).append([int(r["tokens_seen"]), float(r["loss"])])
     return {k: sorted(v) for k, v in curves.items()}, source
+
+
+def heldout_ends(vdir: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """{stage directory: {"start": row, "end": row}}: each stage's held-out values (loss, KL, top-1 on its fixed
+    validation batch) at its first and last evaluated step, from the stage's heldout.json."""
+    ends = {}
+    for stage in STAGES:
+        summary = _read_json(vdir / stage.directory / "heldout.json")
+        if summary and summary.get("first") and summary.get("last"):
+            drop = ("stage", "split")
+            ends[stage.directory] = {
+                end: {k: v for k, v in summary[key].items() if k not in drop}
+                for end, key in (("start", "first"), ("end", "last"))
+            }
+    return ends
 
 
 def variant_record(variant: Variant, run: RunConfig, vdir: Path, digest: str) -> dict[str, Any]:
@@ -689,6 +709,7 @@ def variant_record(variant: Variant, run: RunConfig, vdir: Path, digest: str) ->
         "final": final,
         "curves": curves,
         "curve_source": curve_source,
+        "heldout": heldout_ends(vdir),
     }
 
 

@@ -148,6 +148,7 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
     teacher_retrieval = {k: v for k, v in (teacher.get("suite") or {}).items() if k.startswith(RETRIEVAL_PREFIXES)}
     if teacher_retrieval:
         lines += ["", "Teacher retrieval: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in teacher_retrieval.items())]
+    lines += heldout_table(results)
     lines += ["", "## Variants", ""]
     for v in results["variants"]:
         sel = v.get("selection") or {}
@@ -168,6 +169,40 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def heldout_table(results: dict) -> list[str]:
+    """report.md's section on each stage's fixed held-out batch: KL and top-1 at the stage's start → end, per
+    group (mean ± s); the end of stage 1 is the student after alignment alone."""
+    stages = sorted({s for v in results["variants"] for s in v.get("heldout") or {}})
+    if not stages:
+        return []
+    groups: dict[str, list[dict]] = {}
+    for v in results["variants"]:
+        groups.setdefault(v["group"], []).append(v)
+    header = ["variant", *[f"{s}: {m}" for s in stages for m in ("KL start → end", "top-1 start → end")]]
+    lines = [
+        "",
+        "## Held-out batch of each stage",
+        "",
+        "Each stage's own fixed batch of validation rows (never trained on), evaluated at the stage's first and "
+        "last step: KL(teacher ‖ student) in nats/token and top-1 agreement. A stage's start is the previous "
+        "stage's end on this stage's batch (longer rows from stage 2 on).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for group, members in groups.items():
+        cells = [group]
+        for stage in stages:
+            for metric, percent in (("kl", False), ("top1", True)):
+                pair = []
+                for end in ("start", "end"):
+                    vals = [((m.get("heldout") or {}).get(stage) or {}).get(end, {}).get(metric) for m in members]
+                    pair.append(_fmt(_mean_spread(vals), percent=percent))
+                cells.append(" → ".join(pair))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
