@@ -5,6 +5,7 @@ to end in a subprocess (one CPU device): killed mid-run, resumed, then rerun wit
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -289,3 +290,26 @@ def test_comparison_outputs(compared):
     assert "| random_3to1 | 2 | 1 of 4 | 64 |" in report and "| layerwise_1to1 | 1 | 2 of 4 | 128 |" in report
     assert "the teacher has no tokenizer" in report  # what was skipped is said
     assert "## Held-out batch of each stage" in report
+
+
+@pytest.mark.slow
+def test_report_only_reports_the_finished_variants_and_lists_the_rest(compared, tmp_path):
+    from configs import compare_tiny
+    from hydrahead_jax.experiments.compare import report_finished
+
+    workdir = tmp_path / "cmp"
+    shutil.copytree(compared["workdir"], workdir)
+    (workdir / "variants" / "random_3to1_s1" / "eval.json").unlink()  # as if it were still training
+    full = json.loads((compared["workdir"] / "results.json").read_text())
+    before = _mtimes(workdir / "variants")
+    results = report_finished(compare_tiny.get_config(), workdir)
+    assert results["unfinished"] == ["random_3to1_s1"]
+    assert [v["name"] for v in results["variants"]] == ["layerwise_1to1", "random_3to1_s0"]
+    by_name = {v["name"]: v for v in full["variants"]}
+    for v in results["variants"]:  # the same records the full comparison wrote, but the timings (one more run)
+        same = {k: x for k, x in by_name[v["name"]].items() if k != "stage_seconds"}
+        assert json.loads(json.dumps({k: x for k, x in v.items() if k != "stage_seconds"})) == same
+    assert "not finished yet, so not in this report: random_3to1_s1" in (workdir / "report.md").read_text()
+    assert _mtimes(workdir / "variants") == before  # nothing trained or evaluated
+    with pytest.raises(ConfigError, match="no teacher/eval.json"):
+        report_finished(compare_tiny.get_config(), tmp_path / "empty")

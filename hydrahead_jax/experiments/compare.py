@@ -568,8 +568,6 @@ def run_comparison(config, workdir: str | Path) -> dict[str, Any]:
 
 
 def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) -> dict[str, Any]:
-    from hydrahead_jax.experiments.report import write_report
-
     base_run = variants[0].run
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
@@ -597,11 +595,8 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
 
     started, finished_times, records = time.perf_counter(), [], []
     for k, variant in enumerate(variants, 1):
-        run = _with_head_map(variant.run, head_maps[variant.name]) if variant.name in head_maps else variant.run
-        vdir = workdir / "variants" / variant.name
-        digest = config_hash({"run": run.to_dict(), "eval": settings.to_dict()})
-        done = _read_json(vdir / "eval.json")
-        if done and done.get("config_hash") == digest:
+        run, vdir, digest = _variant_run(variant, head_maps, workdir, settings)
+        if _finished(vdir, digest):
             print(
                 f"[compare] {k}/{len(variants)} {variant.name}: finished earlier (eval.json matches), skipped",
                 flush=True,
@@ -635,16 +630,60 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
                 flush=True,
             )
         records.append(variant_record(variant, run, vdir, digest))
+    return _write_results(workdir, base_run, settings, teacher_eval, records, unfinished=[])
+
+
+def _variant_run(variant: Variant, head_maps: dict[str, str], workdir: Path, settings: EvalSettings):
+    """The variant's run config (with its derived head map), its directory and its config hash."""
+    run = _with_head_map(variant.run, head_maps[variant.name]) if variant.name in head_maps else variant.run
+    return run, workdir / "variants" / variant.name, config_hash({"run": run.to_dict(), "eval": settings.to_dict()})
+
+
+def _finished(vdir: Path, digest: str) -> bool:
+    done = _read_json(vdir / "eval.json")
+    return bool(done) and done.get("config_hash") == digest
+
+
+def _write_results(workdir, base_run, settings, teacher_eval, records, *, unfinished: list[str]) -> dict:
+    from hydrahead_jax.experiments.report import write_report
+
     results = {
         "workdir": str(workdir),
         "base": base_run.to_dict(),
         "eval": settings.to_dict(),
         "teacher": teacher_eval,
         "variants": records,
+        "unfinished": unfinished,
     }
     write_report(results, workdir)
     print(f"[compare] wrote {workdir / 'results.json'}, {workdir / 'report.md'} and the plots", flush=True)
     return results
+
+
+def report_finished(config, workdir: str | Path) -> dict[str, Any]:
+    """results.json, report.md and the plots from the variants finished so far, without training or evaluating
+    anything (``--report_only``): to look at a long comparison while it runs, or at one stopped part-way. The
+    unfinished variants are listed in results.json and report.md."""
+    workdir = Path(workdir).absolute()
+    variants = load_variants(config)
+    settings = eval_settings(config.get("eval"))
+    teacher_eval = _read_json(workdir / "teacher" / "eval.json")
+    if not teacher_eval:
+        raise ConfigError(
+            f"{workdir} holds no comparison results yet (no teacher/eval.json); run the comparison without "
+            "--report_only first."
+        )
+    head_maps = {v.name: str(workdir / "head_maps" / f"{v.name}.json") for v in variants if v.probe_method}
+    records, unfinished = [], []
+    for variant in variants:
+        run, vdir, digest = _variant_run(variant, head_maps, workdir, settings)
+        if _finished(vdir, digest):
+            records.append(variant_record(variant, run, vdir, digest))
+        else:
+            unfinished.append(variant.name)
+    if not records:
+        raise ConfigError(f"no variant of this comparison has finished in {workdir}; nothing to report yet.")
+    return _write_results(workdir, variants[0].run, settings, teacher_eval, records, unfinished=unfinished)
 
 
 def _metrics_rows(vdir: Path) -> list[dict]:
@@ -737,6 +776,11 @@ def main(argv=None) -> int:
         "config", None, "Comparison recipe (configs/compare_*.py).", lock_config=False, accept_new_attributes=True
     )
     workdir = flags.DEFINE_string("workdir", None, "Comparison directory (every variant's run, results, plots).")
+    report_only = flags.DEFINE_bool(
+        "report_only",
+        False,
+        "Write results.json, report.md and the plots from the variants finished so far; train nothing.",
+    )
     flags.mark_flags_as_required(["config", "workdir"])
 
     def _main(args):
@@ -751,7 +795,10 @@ def main(argv=None) -> int:
         from hydrahead_jax.training.trainer import Preempted
 
         try:
-            run_comparison(config.value, workdir.value)
+            if report_only.value:
+                report_finished(config.value, workdir.value)
+            else:
+                run_comparison(config.value, workdir.value)
         except USER_ERRORS as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)

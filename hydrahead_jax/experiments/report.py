@@ -165,6 +165,8 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
             'loss_curves.png: a variant without held-out rows ("split": "heldout") in its metrics.jsonl is '
             "drawn from its training rows (one batch per step, noisy), marked 'training' in the legend."
         )
+    if results.get("unfinished"):
+        notes.insert(0, f"not finished yet, so not in this report: {', '.join(results['unfinished'])}.")
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
