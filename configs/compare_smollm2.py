@@ -1,11 +1,11 @@
-"""Issue 17's equal-budget comparison on SmolLM2-135M: 13 variants of the conversion, one command.
+"""Issue 17's equal-budget comparison on SmolLM2-135M: 15 variants of the conversion, one command.
 
     python -m hydrahead_jax.experiments.compare --config configs/compare_smollm2.py --workdir runs/compare
     make compare                                  # the same; COMPARE_ARGS=--config.budget_scale=1.0 for more
 
 Every variant starts from the `make demo` recipe (configs/smollm2_hydrahead.py: HydraHead 7:1, combined probe
-scores, global allocation, fusion "both") with every stage's steps scaled by ``budget_scale`` (0.7: stage 1
-70 × 4 × 256, stage 2 28 × 2 × 512, stage 3 14 × 1 × 1024 tokens = 71,680 + 28,672 + 14,336 training tokens per
+scores, global allocation, fusion "both") with every stage's steps scaled by ``budget_scale`` (0.3: stage 1
+30 × 4 × 256, stage 2 12 × 2 × 512, stage 3 6 × 1 × 1024 tokens = 30,720 + 12,288 + 6,144 training tokens per
 variant), the same data order and seeds; only the overrides below differ. The teacher is probed once (stage 0);
 the retrieval / ablation / combined variants get head maps derived from its saved scores.
 
@@ -14,11 +14,13 @@ keeps 23 (global) and layer-wise 3:1 whole layers; layer-wise 7:1 the nearest wh
 allocation needs FA fraction × 3 groups to be a whole number, so of the issue's ratios only 2:1 (one FA group per
 layer = 30 groups) allows it: per-layer vs global is compared at 2:1, where both keep 30 groups.
 
-Time estimate on the 2-core development box (f32; the demo's 15.4 min = select 1, stage 1 3.4, stage 2 5.7,
-stage 3 2.8, eval 2.0 min, with about half a minute of compilation per stage that does not scale with steps):
-per variant stage 1 ≈ 2.5, stage 2 ≈ 4.2, stage 3 ≈ 2.1 min, at-init + final evaluation ≈ 1.5 min, so ≈ 10.3 min;
-13 variants ≈ 134 min, plus the probe (≈ 1 min) and the teacher's evaluation (≈ 1 min): about 2.3 hours. A killed
-comparison continues where it stopped when rerun with the same command.
+Time on the 2-core development box (f32), measured for the first variant running alone: 19 min = select 9 s,
+evaluation at init 31 s, stage 1 345 s, stage 2 404 s, stage 3 273 s, final evaluation 66 s. About 8 of the 19
+minutes are compilation (each stage compiles its train step and its held-out evaluation step, about 2-3 min per
+stage on one core; every head map is a new program, so the persistent cache does not help across variants), which
+does not shrink with ``budget_scale``: 15 variants take about 4.8 hours, run across sessions (a killed
+comparison continues where it stopped when rerun with the same command; ``--report_only`` reports the finished
+variants at any time).
 """
 
 from ml_collections import ConfigDict
