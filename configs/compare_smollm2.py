@@ -4,7 +4,8 @@
     make compare                                  # the same; COMPARE_ARGS=--config.budget_scale=1.0 for more
 
 Every variant starts from the `make demo` recipe (configs/smollm2_hydrahead.py: HydraHead 7:1, combined probe
-scores, global allocation, fusion "both") with every stage's steps scaled by ``budget_scale`` (0.3: stage 1
+scores, global allocation, fusion "both") with the paper's fusion initialisation instead of the demo's fitted one
+(the "fit" variants measure that) and with every stage's steps scaled by ``budget_scale`` (0.3: stage 1
 30 × 4 × 256, stage 2 12 × 2 × 512, stage 3 6 × 1 × 1024 tokens = 30,720 + 12,288 + 6,144 training tokens per
 variant), the same data order and seeds; only the overrides below differ. The teacher is probed once (stage 0);
 the retrieval / ablation / combined variants get head maps derived from its saved scores.
@@ -41,6 +42,11 @@ def _random(seed: int) -> dict:
 def get_config(arg: str | None = None):
     c = ConfigDict()
     base = smollm2_hydrahead.get_config()
+    # The paper's initialisation (γ = the teacher head's output RMS, no offset μ) as every variant's starting point,
+    # so the selection, fusion and allocation variants are compared as the paper defines them; the demo's own
+    # fitted initialisation is the "fit" variants.
+    base.hybrid.fusion_init = "rms"
+    base.hybrid.fusion_bias = False
     base.logging.progress = False  # one line per stage and variant from the comparison instead of 15 × 3 bars
     # Held-out points at the scaled budget (30 / 12 / 6 steps): about four per stage, for the loss curves.
     base.stage1.heldout_every = 10

@@ -40,20 +40,29 @@ from tqdm.auto import tqdm
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student
 
-# name → HybridConfig changes; the first is today's default (every other row is read against it)
+# name → HybridConfig changes to the recipe's hybrid section. Every built-in row starts from the paper's
+# initialisation (γ = the teacher head's output RMS, no offset μ; ``PAPER_INIT``) whatever the recipe's own choice,
+# so the rows mean the same for every recipe; the first row is that initialisation (every other row is read
+# against it).
+PAPER_INIT = {"fusion_init": "rms", "fusion_bias": False}
 DEFAULT_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "fusion_none": {"fusion": "none"},
-    "la_only": {"fusion": "la_only"},
-    "fit_gamma": {"fusion_init": "fit"},
-    "fit": {"fusion_init": "fit", "fusion_bias": True},
-    "fit_channel": {"fusion_init": "fit", "fusion_bias": True, "fusion_granularity": "channel"},
-    "fit_la_only": {"fusion": "la_only", "fusion_init": "fit", "fusion_bias": True},
-    "dt_long": {"gdn_dt_min": 1e-4, "gdn_dt_max": 1e-2},
-    "dt_short": {"gdn_dt_min": 1e-2, "gdn_dt_max": 3e-1},
-    "beta_low": {"gdn_beta": 0.1},
-    "beta_high": {"gdn_beta": 0.9},
-    "fit_dt_long": {"fusion_init": "fit", "fusion_bias": True, "gdn_dt_min": 1e-4, "gdn_dt_max": 1e-2},
+    name: {**PAPER_INIT, **changes}
+    for name, changes in {
+        "default": {},
+        "fusion_none": {"fusion": "none"},
+        "la_only": {"fusion": "la_only"},
+        "fit_gamma": {"fusion_init": "fit"},
+        "fit": {"fusion_init": "fit", "fusion_bias": True},
+        "fit_channel": {"fusion_init": "fit", "fusion_bias": True, "fusion_granularity": "channel"},
+        "fit_la_only": {"fusion": "la_only", "fusion_init": "fit", "fusion_bias": True},
+        "dt_long": {"gdn_dt_min": 1e-4, "gdn_dt_max": 1e-2},
+        "dt_short": {"gdn_dt_min": 1e-2, "gdn_dt_max": 3e-1},
+        "beta_low": {"gdn_beta": 0.1},
+        "beta_high": {"gdn_beta": 0.9},
+        "fit_dt_long": {"fusion_init": "fit", "fusion_bias": True, "gdn_dt_min": 1e-4, "gdn_dt_max": 1e-2},
+        "fit_dt_short": {"fusion_init": "fit", "fusion_bias": True, "gdn_dt_min": 1e-2, "gdn_dt_max": 3e-1},
+        "fit_beta_low": {"fusion_init": "fit", "fusion_bias": True, "gdn_beta": 0.1},
+    }.items()
 }
 METRICS = ("ppl", "kl", "top1")
 
@@ -261,7 +270,7 @@ def render_markdown(result: dict) -> str:
         )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in result["variants"].items():
-        changes = ", ".join(f"{k}={v}" for k, v in row["hybrid"].items()) or "(today's default)"
+        changes = ", ".join(f"{k}={v}" for k, v in row["hybrid"].items()) or "(the recipe's)"
         cells = [name, changes, *_metric_cells(row.get("at_init"))]
         if stage1:
             after = row.get("after_stage1")
@@ -319,9 +328,10 @@ def _main(args) -> int:
         variants = {n: variants[n] for n in wanted}
     if not variants:
         raise StudyError("no variants to measure: drop --no-defaults or add --variant NAME:FIELD=VALUE.")
-    for name, changes in variants.items():  # every config is checked before the teacher loads
+    hybrids = {}  # the recipe's hybrid section with each variant's changes, checked before the teacher loads
+    for name, changes in variants.items():
         try:
-            HybridConfig(**changes)
+            hybrids[name] = run_config(args.config, changes).hybrid
         except (ConfigError, TypeError) as err:
             raise StudyError(f"variant {name!r}: {err}") from None
     if args.rows < 1 or args.length < 2:
@@ -382,7 +392,7 @@ def _main(args) -> int:
             continue
         if what == "init":
             start = time.perf_counter()
-            student = study.student_at_init(HybridConfig(**changes))
+            student = study.student_at_init(hybrids[name])
             row["at_init"] = study.measure(name, student)
             row["at_init_seconds"] = time.perf_counter() - start
             del student
