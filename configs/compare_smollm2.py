@@ -54,6 +54,8 @@ def get_config(arg: str | None = None):
     base.stage3.heldout_every = 3
     c.base = base
     c.budget_scale = 0.3
+    # A finished variant's stage checkpoints (about 7 GB here) are deleted, its exported model (0.5 GB) kept.
+    c.keep_checkpoints = False
     # In order of what the comparison must decide first (a comparison stopped part-way has answered the most):
     # the default, the fitted initialisation, the paper's central claim (7:1 head-level vs 3:1 layer-wise, random
     # heads), then the probe scores, fusion modes, allocation and the 25 % budget.

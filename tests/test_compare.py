@@ -170,6 +170,27 @@ def test_groups_are_reported_as_mean_and_sample_spread():
     assert x["kl"] == (1.0, 0.0) and x["n"] == 1
 
 
+def test_prune_checkpoints_deletes_steps_and_markers_only(tmp_path):
+    from hydrahead_jax.experiments.compare import prune_checkpoints
+
+    vdir = tmp_path / "v"
+    stage = vdir / "stage1_align"
+    for step in ("1", "25"):
+        (stage / step / "model").mkdir(parents=True)
+        (stage / step / "model" / "data").write_bytes(b"x" * 1000)
+    (stage / "30.orbax-checkpoint-tmp").mkdir()
+    (stage / "30.orbax-checkpoint-tmp" / "part").write_bytes(b"y" * 24)
+    for name in ("DONE", "heldout.json", "memory.json"):
+        (stage / name).write_text("{}")
+    (vdir / "final").mkdir()
+    (vdir / "final" / "params").write_bytes(b"z")
+    (vdir / "stage2_distil").mkdir()  # a stage without checkpoints, and stage 3 missing: nothing to do
+    assert prune_checkpoints(vdir) == 2 * 1000 + 24
+    assert sorted(p.name for p in stage.iterdir()) == ["heldout.json", "memory.json"]
+    assert (vdir / "final" / "params").read_bytes() == b"z"
+    assert prune_checkpoints(vdir) == 0
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 
@@ -280,6 +301,11 @@ def test_comparison_outputs(compared):
             for end, row in (("start", held[0]), ("end", held[-1])):
                 assert ends[end]["kl"] == row["kl"] and ends[end]["top1"] == row["top1"], (v["name"], stage, end)
         assert set(v["heldout"]) == set(v["curves"])
+        # the finished variant's stage checkpoints are gone (keep_checkpoints=False); the rest stays
+        vdir = workdir / "variants" / v["name"]
+        for stage in v["heldout"]:
+            assert sorted(p.name for p in (vdir / stage).iterdir()) == ["heldout.json", "memory.json"], stage
+        assert (vdir / "final" / "MANIFEST.json").is_file() and (vdir / "eval.json").is_file()
     assert results["teacher"]["data"]["ppl"] > 1 and "kl" not in results["teacher"]["data"]
     # the random seeds are one row, mean ± sample spread of their two members
     row = next(r for r in results["summary"] if r["group"] == "random_3to1")

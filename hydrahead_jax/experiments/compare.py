@@ -12,7 +12,10 @@ The comparison recipe (an ml_collections ConfigDict, ``--config.a.b=value`` over
   (overrides of the data, the teacher, the seed or a stage's budget are refused). Variants sharing a ``group``
   (e.g. random selection with three seeds) are reported as mean ± spread,
 * ``eval``: the evaluation settings, the same for every model (``eval_settings``),
-* ``budget_scale``: multiplies every stage's step count (rounded, at least 1) of the base and so of every variant.
+* ``budget_scale``: multiplies every stage's step count (rounded, at least 1) of the base and so of every variant,
+* ``keep_checkpoints`` (default False): keep a finished variant's stage checkpoints. By default they are deleted
+  once the variant's eval.json is written (``prune_checkpoints``: SmolLM2's three stages hold about 7 GB per
+  variant, the exported model 0.5 GB), keeping the exported model, metrics and each stage's heldout.json.
 
 Every variant is converted with ``RunConfig.from_recipe`` before any training, so a bad variant (an unknown key, a
 bad value, a duplicate name) is refused at once with its name. Stage 0 probes the teacher once: the probe-selected
@@ -24,7 +27,8 @@ Layout of the workdir::
     probe/                  the one teacher probe (head_map.json with the retrieval, ablation and combined scores)
     head_maps/<name>.json   head maps derived from the probe's scores
     teacher/eval.json       the teacher's evaluation (run once, shared)
-    variants/<name>/        a normal run workdir (run_pipeline: checkpoints, metrics.jsonl, final/), plus
+    variants/<name>/        a normal run workdir (run_pipeline: checkpoints, metrics.jsonl, final/; the stage
+                            checkpoints are deleted once the variant is finished unless keep_checkpoints), plus
         timings.json        wall seconds per stage (summed over reruns)
         eval_init.json      the student at initialisation (before stage 1), evaluated
         eval.json           the trained student, evaluated; its config_hash marks the variant finished
@@ -559,15 +563,20 @@ def run_comparison(config, workdir: str | Path) -> dict[str, Any]:
     workdir = Path(workdir).absolute()
     variants = load_variants(config)  # every variant is checked before any work
     settings = eval_settings(config.get("eval"))
+    keep = config.get("keep_checkpoints", False)
+    if not isinstance(keep, bool):
+        raise ConfigError(f"config.keep_checkpoints={keep!r}: must be True or False.")
     lock = WorkdirLock(workdir)  # one comparison per workdir (each variant's run locks its own directory too)
     lock.acquire()
     try:
-        return _run_locked(workdir, variants, settings)
+        return _run_locked(workdir, variants, settings, keep_checkpoints=keep)
     finally:
         lock.release()
 
 
-def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) -> dict[str, Any]:
+def _run_locked(
+    workdir: Path, variants: list[Variant], settings: EvalSettings, *, keep_checkpoints: bool = False
+) -> dict[str, Any]:
     base_run = variants[0].run
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
@@ -597,6 +606,8 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
     for k, variant in enumerate(variants, 1):
         run, vdir, digest = _variant_run(variant, head_maps, workdir, settings)
         if _finished(vdir, digest):
+            if not keep_checkpoints:
+                prune_checkpoints(vdir)  # a comparison killed between eval.json and the deletion
             print(
                 f"[compare] {k}/{len(variants)} {variant.name}: finished earlier (eval.json matches), skipped",
                 flush=True,
@@ -621,6 +632,9 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
                 _write_json(vdir / "eval_init.json", _eval_at_init(models, variant, run, vdir, settings, ids))
             final = _eval_final(models, variant, run, vdir, settings, ids)
             _write_json(vdir / "eval.json", {"config_hash": digest, **final})
+            if not keep_checkpoints:
+                freed = prune_checkpoints(vdir)
+                print(f"[compare] {variant.name}: stage checkpoints deleted ({freed / 2**30:.1f} GiB)", flush=True)
             finished_times.append(time.perf_counter() - variant_start)
             elapsed = time.perf_counter() - started
             eta = (sum(finished_times) / len(finished_times)) * (len(variants) - k)
@@ -631,6 +645,30 @@ def _run_locked(workdir: Path, variants: list[Variant], settings: EvalSettings) 
             )
         records.append(variant_record(variant, run, vdir, digest))
     return _write_results(workdir, base_run, settings, teacher_eval, records, unfinished=[])
+
+
+def prune_checkpoints(vdir: Path) -> int:
+    """Delete a finished variant's stage checkpoints (Orbax step directories, unfinished saves and DONE markers);
+    keep everything else (final/, metrics.jsonl, each stage's heldout.json and memory.json). Without its DONE
+    marker a stage counts as unfinished, so a later change of the variant's config retrains it from the start
+    instead of resuming from checkpoints that are gone. Returns the bytes freed."""
+    import shutil
+
+    from hydrahead_jax.training.checkpoint import DONE_MARKER
+
+    freed = 0
+    for stage in STAGES:
+        stage_dir = vdir / stage.directory
+        if not stage_dir.is_dir():
+            continue
+        marker = stage_dir / DONE_MARKER
+        if marker.exists():
+            marker.unlink()  # first: a stage without checkpoints must never look finished
+        for entry in stage_dir.iterdir():
+            if entry.is_dir() and (entry.name.isdigit() or entry.name.endswith(".orbax-checkpoint-tmp")):
+                freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+                shutil.rmtree(entry)
+    return freed
 
 
 def _variant_run(variant: Variant, head_maps: dict[str, str], workdir: Path, settings: EvalSettings):
