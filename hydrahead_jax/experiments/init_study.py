@@ -177,26 +177,13 @@ class Study:
         return path
 
     def _calibration_ids(self) -> np.ndarray:
-        """The pipeline's calibration batch: ``hybrid_calibration_rows`` stage-1 rows, seed ``seed + 7919``."""
-        from hydrahead_jax.run_config import STAGES
-        from hydrahead_jax.training.data import make_stage_iterator, prepare_store
+        """The pipeline's calibration batch (``training.pipeline.calibration_ids``)."""
+        from hydrahead_jax.training.data import prepare_store
+        from hydrahead_jax.training.pipeline import calibration_ids
 
         run = self.base_run
         store = None if run.data.source == "copy" else prepare_store(run.data, self.tokenizer)
-        scfg = run.stage(STAGES[0])
-        rows = run.hybrid_calibration_rows
-        batches = make_stage_iterator(
-            run.data,
-            seq_len=scfg.seq_len,
-            batch_size=rows,
-            seed=run.seed + 7919,
-            vocab_size=self.cfg.vocab_size,
-            synthetic_rate=scfg.synthetic_rate,
-            tokenizer=self.tokenizer,
-            store_path=store,
-            batch_rows=range(rows),
-        )
-        return np.asarray(next(batches)["input_ids"], np.int32)
+        return np.asarray(calibration_ids(run, self.cfg.vocab_size, self.tokenizer, store))
 
     def student_at_init(self, hybrid: HybridConfig):
         return build_student(

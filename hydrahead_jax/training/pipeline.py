@@ -158,24 +158,29 @@ def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig
     return head_map
 
 
-def initial_student(run: RunConfig, teacher, tokenizer, head_map: HeadMap, store=None):
-    """The student before stage 1, exactly as the pipeline builds it: the teacher's weights, new parameters at
-    their initial values (seed ``run.seed``), fusion scales calibrated on the first ``hybrid_calibration_rows`` rows
-    of stage 1's data (seed ``run.seed + 7919``, read whole by every process, which must all build the same
-    student). ``store``: the corpus token store (``prepare_store``; None for the copy source)."""
+def calibration_ids(run: RunConfig, vocab_size: int, tokenizer, store=None) -> jax.Array:
+    """The fusion's calibration batch, int32 [hybrid_calibration_rows, stage 1's seq_len]: the first rows of stage
+    1's data under seed ``run.seed + 7919`` (no training iterator uses it), read whole by every process, which must
+    all build the same student. ``store``: the corpus token store (``prepare_store``; None for the copy source)."""
     scfg, rows = run.stage(STAGES[0]), run.hybrid_calibration_rows
-    calib = make_stage_iterator(
+    batches = make_stage_iterator(
         run.data,
         seq_len=scfg.seq_len,
         batch_size=rows,
         seed=run.seed + 7919,
-        vocab_size=teacher.cfg.vocab_size,
+        vocab_size=vocab_size,
         synthetic_rate=scfg.synthetic_rate,
         tokenizer=tokenizer,
         store_path=store,
         batch_rows=range(rows),
     )
-    ids = jax.numpy.asarray(next(calib)["input_ids"])
+    return jax.numpy.asarray(next(batches)["input_ids"], jax.numpy.int32)
+
+
+def initial_student(run: RunConfig, teacher, tokenizer, head_map: HeadMap, store=None):
+    """The student before stage 1, exactly as the pipeline builds it: the teacher's weights, new parameters at
+    their initial values (seed ``run.seed``), fusion scales calibrated on ``calibration_ids``."""
+    ids = calibration_ids(run, teacher.cfg.vocab_size, tokenizer, store)
     return build_student(teacher, head_map, run.hybrid, rngs=nnx.Rngs(run.seed), calibration_ids=ids)
 
 
@@ -248,16 +253,14 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(run.seed)))
     student_graphdef, abstract_student = nnx.split(abstract_model)
 
-    def iterator_factory(stage: Stage, seed: int, batch_size: int | None = None, *, every_row: bool = False):
+    def iterator_factory(stage: Stage, seed: int):
         scfg = run.stage(stage)
-        size = batch_size or scfg.batch_size
-        # A process reads the rows its devices hold (put_batch assembles the global batch from them); the
-        # calibration batch is read whole by every process, which must all build the same student.
-        rows = range(size) if every_row else shd.process_batch_rows(shd.batch_sharding(mesh, 2), size)
+        # A process reads the rows its devices hold (put_batch assembles the global batch from them).
+        rows = shd.process_batch_rows(shd.batch_sharding(mesh, 2), scfg.batch_size)
         return lambda: make_stage_iterator(
             run.data,
             seq_len=scfg.seq_len,
-            batch_size=size,
+            batch_size=scfg.batch_size,
             seed=seed,
             vocab_size=cfg.vocab_size,
             synthetic_rate=scfg.synthetic_rate,
