@@ -4,9 +4,9 @@
 Budget (2 cores, f32): stage 0 probes; stage 1 100 × 4 × 256 tokens (new parameters only); stage 2 40 × 2 × 512
 tokens with the teacher's logits; stage 3 20 × 1 × 1024 tokens with 25 % synthetic retrieval rows. Measured on
 the idle 2-core box (2026-12-01): 34.0 min for `make demo` in all (select 1.5, stage 1 8.4, stage 2 13.0, stage 3
-7.1, eval 3.2 min; peak RSS 13.5 GB), twice an earlier session's 15.4 min on a faster box (README.md has the comparison).
-These are demonstration budgets (every stage's held-out loss falls), not a converged model; the paper-scale
-recipe is configs/qwen3_1p7b_hydrahead.py.
+7.1, eval 3.2 min; peak RSS 13.5 GB), twice the 15.4 min measured on 2026-11-30 on a
+faster box (README.md has the comparison). These are demonstration budgets (every stage's held-out loss falls),
+not a converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
 "layerwise_3to1", "random_7to1".
