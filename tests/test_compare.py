@@ -15,7 +15,7 @@ import pytest
 from train_helpers import ROOT, single_device_env
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.experiments.compare import derive_head_map, load_variants, run_comparison
+from hydrahead_jax.experiments.compare import derive_head_map, load_variants, run_comparison, select_variants
 from hydrahead_jax.experiments.report import pareto_front, summary_rows
 
 
@@ -87,6 +87,17 @@ def test_bad_eval_settings_are_refused(settings, message):
     assert message in str(err.value)
     parsed = eval_settings({"suite": "niah,passkey,ppl,agreement,niah", "lengths": "512,1k"})
     assert parsed.suite == ("niah", "passkey", "ppl", "agreement") and parsed.lengths == (512, 1024)
+
+
+def test_only_selects_named_variants_in_recipe_order_and_refuses_unknown_names():
+    variants = load_variants(_tiny_comparison())
+    assert [v.name for v in select_variants(variants, ["random_3to1_s1", "layerwise_1to1"])] == [
+        "layerwise_1to1",
+        "random_3to1_s1",
+    ]
+    assert select_variants(variants, []) == variants
+    with pytest.raises(ConfigError, match=r"--only names \['nope'\], which the comparison recipe does not list"):
+        select_variants(variants, ["layerwise_1to1", "nope"])
 
 
 def test_second_comparison_on_a_busy_workdir_is_refused(tmp_path):
@@ -194,7 +205,7 @@ def test_prune_checkpoints_deletes_steps_and_markers_only(tmp_path):
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def _command(workdir):
+def _command(workdir, *extra):
     return [
         sys.executable,
         "-m",
@@ -203,15 +214,16 @@ def _command(workdir):
         str(ROOT / "configs" / "compare_tiny.py"),
         "--workdir",
         str(workdir),
+        *extra,
     ]
 
 
-def _run(workdir, kill_at=None):
-    """The comparison in a subprocess; with ``kill_at``, SIGKILLed as soon as a line containing it is printed.
-    Returns (return code, output)."""
+def _run(workdir, kill_at=None, extra=()):
+    """The comparison in a subprocess (``extra``: more command-line flags); with ``kill_at``, SIGKILLed as soon as
+    a line containing it is printed. Returns (return code, output)."""
     env = dict(single_device_env(), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        _command(workdir),
+        _command(workdir, *extra),
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -339,3 +351,85 @@ def test_report_only_reports_the_finished_variants_and_lists_the_rest(compared, 
     assert _mtimes(workdir / "variants") == before  # nothing trained or evaluated
     with pytest.raises(ConfigError, match="no teacher/eval.json"):
         report_finished(compare_tiny.get_config(), tmp_path / "empty")
+
+
+@pytest.mark.slow
+def test_only_runs_the_named_variants_and_reports_the_whole_recipe(compared, tmp_path):
+    """``--only`` on a finished workdir: only the named variant is visited (and skipped, being finished), the
+    report still covers every variant finished there; ``--merge`` without ``--report_only`` is refused."""
+    workdir = tmp_path / "cmp"
+    shutil.copytree(compared["workdir"], workdir)
+    before = _mtimes(workdir / "variants")
+    code, out = _run(workdir, extra=("--only", "random_3to1_s1"))
+    assert code == 0, out
+    assert "1 variants in" in out and ": random_3to1_s1" in out and "layerwise_1to1: finished earlier" not in out
+    assert "1/1 random_3to1_s1: finished earlier" in out
+    results = json.loads((workdir / "results.json").read_text())
+    assert [v["name"] for v in results["variants"]] == ["layerwise_1to1", "random_3to1_s0", "random_3to1_s1"]
+    assert results["unfinished"] == []
+    assert _mtimes(workdir / "variants") == before
+    code, out = _run(workdir, extra=("--merge", str(workdir / "results.json")))
+    assert code == 2 and "--merge reports finished results; use it with --report_only" in out
+
+
+def _split(compared, tmp_path):
+    """A copy of the finished tiny comparison in which random_3to1_s1 never finished, and the full results.json of
+    the original as the other half of the split."""
+    from hydrahead_jax.experiments.compare import report_finished
+
+    workdir = tmp_path / "cmp"
+    shutil.copytree(compared["workdir"], workdir)
+    (workdir / "variants" / "random_3to1_s1" / "eval.json").unlink()
+    full = json.loads((compared["workdir"] / "results.json").read_text())
+    return workdir, full, report_finished
+
+
+@pytest.mark.slow
+def test_merge_reports_another_runs_records_of_the_same_recipe(compared, tmp_path):
+    from configs import compare_tiny
+
+    workdir, full, report_finished = _split(compared, tmp_path)
+    other = compared["workdir"] / "results.json"
+    results = report_finished(compare_tiny.get_config(), workdir, merge=[other])
+    assert results["unfinished"] == []
+    assert [v["name"] for v in results["variants"]] == ["layerwise_1to1", "random_3to1_s0", "random_3to1_s1"]
+    by_name = {v["name"]: v for v in full["variants"]}
+    merged = results["variants"][2]
+    assert merged["merged_from"] == str(other)
+    assert {k: v for k, v in merged.items() if k != "merged_from"} == by_name["random_3to1_s1"]
+    assert all("merged_from" not in v for v in results["variants"][:2])  # finished here: this workdir's own
+    assert f"merged from `{other}`" in (workdir / "report.md").read_text()
+    # the group statistics are those of the unsplit comparison
+    assert json.loads((workdir / "results.json").read_text())["summary"] == full["summary"]
+
+
+def _with(results, path, change):
+    changed = json.loads(json.dumps(results))
+    change(changed)
+    path.write_text(json.dumps(changed))
+    return path
+
+
+@pytest.mark.slow
+def test_merge_refuses_results_of_another_recipe(compared, tmp_path):
+    from configs import compare_tiny
+
+    workdir, full, report_finished = _split(compared, tmp_path)
+    config = compare_tiny.get_config()
+
+    def refused(change, message):
+        path = _with(full, tmp_path / "other.json", change)
+        with pytest.raises(ConfigError, match=message):
+            report_finished(config, workdir, merge=[path])
+
+    refused(lambda r: r["base"].update(seed=1), r"ran a different base recipe \(differs in \['seed'\]\)")
+    refused(lambda r: r["eval"].update(data_rows=99), "its evaluation settings differ")
+    refused(lambda r: r["teacher"].update(config_hash="0" * 16), "its teacher was evaluated on other settings")
+    refused(
+        lambda r: r["variants"][2]["overrides"].update({"selection.seed": 7}),
+        "variant 'random_3to1_s1' ran with overrides",
+    )
+    refused(lambda r: r.pop("variants"), "not a comparison's results.json")
+    twice = _with(full, tmp_path / "twice.json", lambda r: None)
+    with pytest.raises(ConfigError, match="variant 'random_3to1_s1' is in both"):
+        report_finished(config, workdir, merge=[compared["workdir"] / "results.json", twice])

@@ -554,14 +554,28 @@ def _fmt_seconds(s: float) -> str:
     return f"{int(s // 3600)}:{int(s % 3600 // 60):02d}:{int(s % 60):02d}"
 
 
-def run_comparison(config, workdir: str | Path) -> dict[str, Any]:
-    """Train and evaluate every variant of the comparison recipe ``config`` in ``workdir``, then write
-    results.json, report.md and the plots; returns the results. Resumable (module doc). A second comparison on
-    the same workdir is refused while one runs."""
+def select_variants(variants: list[Variant], only: list[str] | None) -> list[Variant]:
+    """The variants named in ``only`` (in the recipe's order), or all of them when ``only`` is empty; an unknown
+    name is refused with the recipe's names."""
+    if not only:
+        return variants
+    names = [v.name for v in variants]
+    unknown = [name for name in only if name not in names]
+    if unknown:
+        raise ConfigError(f"--only names {unknown}, which the comparison recipe does not list; its variants: {names}.")
+    return [v for v in variants if v.name in only]
+
+
+def run_comparison(config, workdir: str | Path, *, only: list[str] | None = None) -> dict[str, Any]:
+    """Train and evaluate every variant of the comparison recipe ``config`` in ``workdir`` (or only those named
+    in ``only``: to split one comparison across machines, each with its own workdir, and ``--merge`` their
+    results afterwards), then write results.json, report.md and the plots; returns the results. Resumable (module
+    doc). A second comparison on the same workdir is refused while one runs."""
     from hydrahead_jax.training.checkpoint import WorkdirLock
 
     workdir = Path(workdir).absolute()
     variants = load_variants(config)  # every variant is checked before any work
+    chosen = select_variants(variants, only)
     settings = eval_settings(config.get("eval"))
     keep = config.get("keep_checkpoints", False)
     if not isinstance(keep, bool):
@@ -569,15 +583,27 @@ def run_comparison(config, workdir: str | Path) -> dict[str, Any]:
     lock = WorkdirLock(workdir)  # one comparison per workdir (each variant's run locks its own directory too)
     lock.acquire()
     try:
-        return _run_locked(workdir, variants, settings, keep_checkpoints=keep)
+        results = _run_locked(workdir, comparison_base(config), chosen, settings, keep_checkpoints=keep)
     finally:
         lock.release()
+    if len(chosen) < len(variants):  # the report covers the whole recipe: what finished here, the rest listed
+        results = report_finished(config, workdir)
+    return results
+
+
+def comparison_base(config) -> RunConfig:
+    """The comparison's base recipe (budget scaled) as a RunConfig: what every variant starts from."""
+    return RunConfig.from_recipe(scaled_base(config))
 
 
 def _run_locked(
-    workdir: Path, variants: list[Variant], settings: EvalSettings, *, keep_checkpoints: bool = False
+    workdir: Path,
+    base_run: RunConfig,
+    variants: list[Variant],
+    settings: EvalSettings,
+    *,
+    keep_checkpoints: bool = False,
 ) -> dict[str, Any]:
-    base_run = variants[0].run
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
     teacher, tokenizer = models.teacher(base_run)
@@ -698,13 +724,18 @@ def _write_results(workdir, base_run, settings, teacher_eval, records, *, unfini
     return results
 
 
-def report_finished(config, workdir: str | Path) -> dict[str, Any]:
+def report_finished(config, workdir: str | Path, *, merge: list[str | Path] = ()) -> dict[str, Any]:
     """results.json, report.md and the plots from the variants finished so far, without training or evaluating
     anything (``--report_only``): to look at a long comparison while it runs, or at one stopped part-way. The
-    unfinished variants are listed in results.json and report.md."""
+    unfinished variants are listed in results.json and report.md.
+
+    ``merge``: results.json files of other runs of this recipe (a comparison split across machines with
+    ``--only``, or an earlier workdir); a variant not finished in ``workdir`` takes its record from them
+    (``merged_records`` says what must match)."""
     workdir = Path(workdir).absolute()
     variants = load_variants(config)
     settings = eval_settings(config.get("eval"))
+    base = comparison_base(config)
     teacher_eval = _read_json(workdir / "teacher" / "eval.json")
     if not teacher_eval:
         raise ConfigError(
@@ -712,16 +743,69 @@ def report_finished(config, workdir: str | Path) -> dict[str, Any]:
             "--report_only first."
         )
     head_maps = {v.name: str(workdir / "head_maps" / f"{v.name}.json") for v in variants if v.probe_method}
-    records, unfinished = [], []
+    local = {}
     for variant in variants:
         run, vdir, digest = _variant_run(variant, head_maps, workdir, settings)
         if _finished(vdir, digest):
-            records.append(variant_record(variant, run, vdir, digest))
-        else:
-            unfinished.append(variant.name)
+            local[variant.name] = variant_record(variant, run, vdir, digest)
+    merged = merged_records(merge, variants, base, settings, teacher_eval, skip=set(local))
+    records = [local.get(v.name) or merged[v.name] for v in variants if v.name in local or v.name in merged]
+    unfinished = [v.name for v in variants if v.name not in local and v.name not in merged]
     if not records:
         raise ConfigError(f"no variant of this comparison has finished in {workdir}; nothing to report yet.")
-    return _write_results(workdir, variants[0].run, settings, teacher_eval, records, unfinished=unfinished)
+    return _write_results(workdir, base, settings, teacher_eval, records, unfinished=unfinished)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def merged_records(
+    paths, variants: list[Variant], base: RunConfig, settings: EvalSettings, teacher_eval: dict, *, skip: set[str]
+) -> dict[str, dict[str, Any]]:
+    """{variant name: record} from other comparisons' results.json files, for the variants of this recipe not in
+    ``skip``. A file is accepted only when it ran the same comparison: the same base recipe (so the same data,
+    seed, token budget and teacher), the same evaluation settings and the same teacher evaluation config; a record
+    only when its overrides are this recipe's overrides for that name. Anything else is refused (ConfigError
+    naming the file and the difference): a merged report must compare like with like. Each merged record keeps
+    where it came from (``merged_from``)."""
+    by_name = {v.name: v for v in variants}
+    merged: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        path = Path(path)
+        results = _read_json(path)
+        if not isinstance(results, dict) or "variants" not in results:
+            raise ConfigError(f"--merge {path}: not a comparison's results.json (missing, unreadable or no variants).")
+        mine = base.to_dict()
+        theirs = results.get("base") or {}
+        differ = sorted(k for k in set(mine) | set(theirs) if _canonical(mine.get(k)) != _canonical(theirs.get(k)))
+        if differ:
+            raise ConfigError(
+                f"--merge {path}: its comparison ran a different base recipe (differs in {differ}); only runs of "
+                "the same recipe (same data, seed, budget_scale and teacher) can be reported together."
+            )
+        if _canonical(results.get("eval")) != _canonical(settings.to_dict()):
+            raise ConfigError(f"--merge {path}: its evaluation settings differ from this recipe's config.eval.")
+        if (results.get("teacher") or {}).get("config_hash") != teacher_eval.get("config_hash"):
+            raise ConfigError(f"--merge {path}: its teacher was evaluated on other settings (teacher config hash).")
+        for record in results["variants"]:
+            name = record.get("name")
+            if name in skip:
+                continue
+            if name not in by_name:
+                print(f"[compare] --merge {path}: {name!r} is not in this recipe's variants; left out", flush=True)
+                continue
+            if _canonical(record.get("overrides")) != _canonical(by_name[name].overrides):
+                raise ConfigError(
+                    f"--merge {path}: variant {name!r} ran with overrides {record.get('overrides')}, this recipe "
+                    f"lists {by_name[name].overrides}; rename one of them."
+                )
+            if name in merged:
+                raise ConfigError(
+                    f"--merge: variant {name!r} is in both {merged[name]['merged_from']} and {path}; merge one."
+                )
+            merged[name] = {**record, "merged_from": str(path.absolute())}
+    return merged
 
 
 def _metrics_rows(vdir: Path) -> list[dict]:
@@ -819,6 +903,14 @@ def main(argv=None) -> int:
         False,
         "Write results.json, report.md and the plots from the variants finished so far; train nothing.",
     )
+    only = flags.DEFINE_list(
+        "only", [], "Run only these variants (comma-separated names), e.g. to split a comparison across machines."
+    )
+    merge = flags.DEFINE_list(
+        "merge",
+        [],
+        "With --report_only: results.json files of other runs of the same recipe to report with this workdir's.",
+    )
     flags.mark_flags_as_required(["config", "workdir"])
 
     def _main(args):
@@ -833,10 +925,12 @@ def main(argv=None) -> int:
         from hydrahead_jax.training.trainer import Preempted
 
         try:
+            if merge.value and not report_only.value:
+                raise ConfigError("--merge reports finished results; use it with --report_only.")
             if report_only.value:
-                report_finished(config.value, workdir.value)
+                report_finished(config.value, workdir.value, merge=merge.value)
             else:
-                run_comparison(config.value, workdir.value)
+                run_comparison(config.value, workdir.value, only=only.value)
         except USER_ERRORS as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)

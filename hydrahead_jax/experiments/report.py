@@ -156,6 +156,7 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
             f"- `{v['name']}` (group {v['group']}): {sel.get('method')} {sel.get('ratio')} {sel.get('allocation')}, "
             f"fusion {v.get('fusion')}; overrides `{json.dumps(v['overrides'], sort_keys=True)}`; "
             f"stage seconds {v.get('stage_seconds')}; loss curves from its {v['curve_source']} rows"
+            + (f"; merged from `{v['merged_from']}`" if v.get("merged_from") else "")
         )
     notes = sorted(
         {n for v in results["variants"] for e in (v.get("final"), v.get("at_init")) for n in (e or {}).get("notes", [])}
@@ -218,30 +219,38 @@ def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
         ("top1", "top-1 agreement with the teacher (higher better)", True),
         ("retrieval", "NIAH/passkey accuracy (higher better)", True),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.6))
     xs = [r["kv_bytes_per_token"][0] for r in rows]
+    # Variants at one KV budget sit on top of each other, so instead of text beside each point every row gets its
+    # own colour and marker, named once in a shared legend under the panels.
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vPX*hp<>"
+    styles = [{"color": colours[i % len(colours)], "marker": markers[i % len(markers)]} for i in range(len(rows))]
+    handles = {}
     for ax, (key, label, maximize) in zip(axes, panels):
         ys = [r[key][0] for r in rows]
         if all(y is None for y in ys):
             ax.text(0.5, 0.5, f"no {key} measurement\n(see report.md notes)", ha="center", va="center")
             ax.set_axis_off()
             continue
-        for r, x, y in zip(rows, xs, ys):
+        for r, x, y, style in zip(rows, xs, ys, styles):
             if x is None or y is None:
                 continue
             err = r[key][1] if r["n"] > 1 else None
-            ax.errorbar([x], [y], yerr=None if err is None else [err], fmt="o", capsize=4)
-            ax.annotate(r["group"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            drawn = ax.errorbar([x], [y], yerr=None if err is None else [err], ls="none", capsize=4, ms=7, **style)
+            handles.setdefault(r["group"] + (f" (n={r['n']})" if r["n"] > 1 else ""), drawn)
         front = pareto_front(xs, ys, maximize=maximize)
         fx, fy = [xs[i] for i in front], [ys[i] for i in front]
         ax.step(fx, fy, "k--", where="post", lw=1)  # the staircase the front's points span
-        ax.scatter(fx, fy, s=160, facecolors="none", edgecolors="k", label="Pareto front")
+        ax.scatter(fx, fy, s=180, facecolors="none", edgecolors="k", label="Pareto front")
         ax.set_xlabel("KV-cache bytes per token")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(5, len(handles)), fontsize=8)
     fig.suptitle(f"Equal-budget comparison ({rows[0]['source'] if rows else ''})")
-    fig.tight_layout()
+    legend_rows = math.ceil(len(handles) / 5) if handles else 0
+    fig.tight_layout(rect=(0, 0.045 * legend_rows, 1, 1))  # room under the panels for the legend
     fig.savefig(out / "pareto.png", dpi=110)
     plt.close(fig)
     return "pareto.png"
