@@ -208,6 +208,24 @@ def heldout_table(results: dict) -> list[str]:
     return lines
 
 
+_LEGEND_COLUMNS, _LEGEND_ROW = 5, 0.045  # the shared legend's columns, and the figure height each of its rows takes
+
+
+def _styles(n: int) -> list[dict[str, str]]:
+    """n distinct (colour, marker) pairs: 20 colours × 12 markers, so up to 60 variants never share both."""
+    import matplotlib.pyplot as plt
+
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vPX*hp<>"
+    return [{"color": colours[i % len(colours)], "marker": markers[i % len(markers)]} for i in range(n)]
+
+
+def _legend_below(fig, handles: dict) -> None:
+    if handles:
+        fig.legend(
+            handles.values(), handles.keys(), loc="lower center", ncol=min(_LEGEND_COLUMNS, len(handles)), fontsize=8
+        )
+
+
 def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
     import matplotlib
 
@@ -223,8 +241,7 @@ def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
     xs = [r["kv_bytes_per_token"][0] for r in rows]
     # Variants at one KV budget sit on top of each other, so instead of text beside each point every row gets its
     # own colour and marker, named once in a shared legend under the panels.
-    colours, markers = plt.get_cmap("tab20").colors, "osD^vPX*hp<>"
-    styles = [{"color": colours[i % len(colours)], "marker": markers[i % len(markers)]} for i in range(len(rows))]
+    styles = _styles(len(rows))
     handles = {}
     for ax, (key, label, maximize) in zip(axes, panels):
         ys = [r[key][0] for r in rows]
@@ -246,11 +263,9 @@ def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    if handles:
-        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(5, len(handles)), fontsize=8)
+    _legend_below(fig, handles)
     fig.suptitle(f"Equal-budget comparison ({rows[0]['source'] if rows else ''})")
-    legend_rows = math.ceil(len(handles) / 5) if handles else 0
-    fig.tight_layout(rect=(0, 0.045 * legend_rows, 1, 1))  # room under the panels for the legend
+    fig.tight_layout(rect=(0, _LEGEND_ROW * math.ceil(len(handles) / _LEGEND_COLUMNS), 1, 1))
     fig.savefig(out / "pareto.png", dpi=110)
     plt.close(fig)
     return "pareto.png"
@@ -263,21 +278,25 @@ def plot_loss_curves(results: dict, out: Path) -> str:
     import matplotlib.pyplot as plt
 
     stages = sorted({s for v in results["variants"] for s in v["curves"]})
-    fig, axes = plt.subplots(1, max(len(stages), 1), figsize=(6 * max(len(stages), 1), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(stages), 1), figsize=(6 * max(len(stages), 1), 5.2), squeeze=False)
+    styles, handles = _styles(len(results["variants"])), {}
     for ax, stage in zip(axes[0], stages):
-        for v in results["variants"]:
+        for v, style in zip(results["variants"], styles):
             pts = v["curves"].get(stage)
             if pts:
                 label = v["name"] + ("" if v["curve_source"] == "heldout" else " (training)")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=5, lw=1.2, **style)
+                handles.setdefault(label, line)
         ax.set_title(stage)
         ax.set_xlabel("tokens seen")
         ax.set_ylabel("held-out loss (the stage's objective; '(training)': training rows)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        # log scale: a variant that does not recover (e.g. no fusion) sits orders of magnitude above the rest
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
     if not stages:
         axes[0][0].text(0.5, 0.5, "no metrics rows", ha="center")
-    fig.tight_layout()
+    _legend_below(fig, handles)
+    fig.tight_layout(rect=(0, _LEGEND_ROW * math.ceil(len(handles) / _LEGEND_COLUMNS), 1, 1))
     fig.savefig(out / "loss_curves.png", dpi=110)
     plt.close(fig)
     return "loss_curves.png"
