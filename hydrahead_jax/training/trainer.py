@@ -92,6 +92,29 @@ class TeacherHandle:
         self.shardings = shardings
 
 
+class _InThread:
+    """``fn()`` run in a daemon thread from construction on; ``result()`` waits for it and returns its value or
+    raises its exception. For XLA compilation, which releases the GIL: a second program compiles on another core
+    while the main thread compiles the train step (daemon: a run that fails meanwhile does not wait for it)."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self._value = fn()
+        except BaseException as error:  # handed to the caller of result()
+            self._error = error
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class HeldoutEval:
     """The stage's fixed held-out batch placed on the mesh, and its jitted evaluation (``steps.make_eval_step``).
 
@@ -100,9 +123,14 @@ class HeldoutEval:
     padded to a multiple of the data-parallel devices (and of the loss's row tiles) with copies of the first row
     whose loss_mask is 0: every metric is a masked token mean, so padding changes no value. A batch of more rows
     than one of the train step's micro-batches is evaluated in groups of that many rows (the activations of one
-    group alive, as in training)."""
+    group alive, as in training).
 
-    def __init__(self, batch, stage_cfg, layout, settings, step_settings, teacher: TeacherHandle, mesh):
+    The evaluation is traced here, against the stage's initial ``state``, and compiled in a background thread
+    (``_InThread``): a stage's first held-out point comes right after its train step has compiled, so the two
+    compilations (each a minute or more for SmolLM2 on one CPU core) overlap instead of running one after the other.
+    """
+
+    def __init__(self, batch, stage_cfg, layout, settings, step_settings, teacher: TeacherHandle, mesh, state):
         rows = len(batch["input_ids"])
         self.shape = (rows, int(batch["input_ids"].shape[1]))
         data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
@@ -130,13 +158,18 @@ class HeldoutEval:
             batch_sharding=sharding,
             groups=groups,
         )
-        self._evaluate = jit_eval_step(fn, layout, teacher.shardings)
         self._teacher_state, self._mesh = teacher.state, mesh
+        with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
+            lowered = jit_eval_step(fn, layout, teacher.shardings).lower(
+                state["params"], state["frozen"], teacher.state, self.batch
+            )
+        self._compiled = _InThread(lowered.compile, name="compile-heldout-eval")
 
     def __call__(self, state) -> dict[str, float]:
         """The held-out metrics of the train state ``state`` (read back: waits for them)."""
+        evaluate = self._compiled.result()
         with jax.set_mesh(self._mesh):
-            metrics = self._evaluate(state["params"], state["frozen"], self._teacher_state, self.batch)
+            metrics = evaluate(state["params"], state["frozen"], self._teacher_state, self.batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
@@ -305,7 +338,7 @@ def _train(
                 f"stage {key}: the held-out evaluation compares the student with the teacher; pass the teacher or "
                 f"set config.{key}.heldout_rows=0."
             )
-        heldout = HeldoutEval(spec.heldout, scfg, layout, settings, step_settings, teacher, mesh)
+        heldout = HeldoutEval(spec.heldout, scfg, layout, settings, step_settings, teacher, mesh, state)
     every = scfg.heldout_every
 
     def heldout_due(step: int) -> bool:
@@ -356,9 +389,9 @@ def _train(
     try:
         # A held-out point's row is logged before that step's checkpoint is saved: a resumed stage finds the rows
         # of every held-out point up to its checkpoint in metrics.jsonl (step 0's among them) and evaluates none
-        # of them again; rows past the checkpoint are dropped by the logger and logged again.
-        if not resumed and heldout_due(0):
-            logger.log_heldout(0, heldout(state))
+        # of them again; rows past the checkpoint are dropped by the logger and logged again. Step 0's point (the
+        # state before any update) is evaluated once the train step has compiled, so that the held-out step,
+        # compiling in the background since HeldoutEval was built, compiles meanwhile.
         for step in range(start, steps):
             if preemption.requested:
                 # SIGTERM (a preempted TPU VM, SLURM's notice): checkpoint the last finished step and stop.
@@ -378,6 +411,8 @@ def _train(
                 if compiled is None:  # compile once, report its memory and refuse a step that cannot fit
                     compiled = jstep.lower(state, teacher_state, batch).compile()
                     _check_memory(compiled, spec, step_settings, data_parallel)
+                    if step == 0 and heldout_due(0):  # before the first update consumes (donates) the state
+                        logger.log_heldout(0, heldout(state))
                 state, device_metrics = compiled(state, teacher_state, batch)
             done = step + 1
             if pending is not None:
