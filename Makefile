@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv (Python >= 3.12), install, convert the real SmolLM2-135M teacher on real text
 #   make test   install the test extras (torch/transformers oracle) and run the test suite
-#   make compare  issue 17's equal-budget comparison of 16 conversion variants on SmolLM2 (about 5 h on 2 cores)
+#   make compare  issue 17's equal-budget comparison of 17 conversion variants on SmolLM2 (about 5.5 h on 2 cores)
 # Both are idempotent: a second run reuses the environment and skips finished work.
 
 PYTHON ?= $(shell scripts/find_python.sh)

@@ -1,4 +1,4 @@
-"""Issue 17's equal-budget comparison on SmolLM2-135M: 16 variants of the conversion, one command.
+"""Issue 17's equal-budget comparison on SmolLM2-135M: 17 variants of the conversion, one command.
 
     python -m hydrahead_jax.experiments.compare --config configs/compare_smollm2.py --workdir runs/compare
     make compare                                  # the same; COMPARE_ARGS=--config.budget_scale=1.0 for more
@@ -19,7 +19,7 @@ Time on the 2-core development box (f32), measured for the first variant running
 evaluation at init 31 s, stage 1 345 s, stage 2 404 s, stage 3 273 s, final evaluation 66 s. About 8 of the 19
 minutes are compilation (each stage compiles its train step and its held-out evaluation step, about 2-3 min per
 stage on one core; every head map is a new program, so the persistent cache does not help across variants), which
-does not shrink with ``budget_scale``: 16 variants take about 5 hours, run across sessions (a killed
+does not shrink with ``budget_scale``: 17 variants take about 5.5 hours, run across sessions (a killed
 comparison continues where it stopped when rerun with the same command; ``--report_only`` reports the finished
 variants at any time).
 """
@@ -47,7 +47,7 @@ def get_config(arg: str | None = None):
     # fitted initialisation is the "fit" variants.
     base.hybrid.fusion_init = "rms"
     base.hybrid.fusion_bias = False
-    base.logging.progress = False  # one line per stage and variant from the comparison instead of 16 × 3 bars
+    base.logging.progress = False  # one line per stage and variant from the comparison instead of 17 × 3 bars
     # Held-out points at the scaled budget (30 / 12 / 6 steps): about four per stage, for the loss curves.
     base.stage1.heldout_every = 10
     base.stage2.heldout_every = 4
@@ -65,6 +65,16 @@ def get_config(arg: str | None = None):
         # outputs on the calibration batch (hybrid/fusion.py) instead of γ = the teacher head's RMS.
         {"name": "hydrahead_7to1_fit", "overrides": {"hybrid.fusion_init": "fit", "hybrid.fusion_bias": True}},
         {"name": "layerwise_3to1", "overrides": {"selection.method": "layerwise", "selection.ratio": "3:1"}},
+        # The paper's central comparison again with the fitted initialisation (hydrahead_7to1_ablation_fit's).
+        {
+            "name": "layerwise_3to1_fit",
+            "overrides": {
+                "selection.method": "layerwise",
+                "selection.ratio": "3:1",
+                "hybrid.fusion_init": "fit",
+                "hybrid.fusion_bias": True,
+            },
+        },
         _random(0),
         {"name": "layerwise_7to1", "overrides": {"selection.method": "layerwise", "selection.ratio": "7:1"}},
         _random(1),
