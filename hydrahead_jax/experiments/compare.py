@@ -583,12 +583,12 @@ def run_comparison(config, workdir: str | Path, *, only: list[str] | None = None
     lock = WorkdirLock(workdir)  # one comparison per workdir (each variant's run locks its own directory too)
     lock.acquire()
     try:
-        results = _run_locked(workdir, comparison_base(config), chosen, settings, keep_checkpoints=keep)
+        _run_locked(workdir, comparison_base(config), chosen, settings, keep_checkpoints=keep)
+        # One report path for a whole run, an --only run and --report_only: every variant of the recipe finished
+        # in this workdir, the rest listed as unfinished.
+        return report_finished(config, workdir)
     finally:
         lock.release()
-    if len(chosen) < len(variants):  # the report covers the whole recipe: what finished here, the rest listed
-        results = report_finished(config, workdir)
-    return results
 
 
 def comparison_base(config) -> RunConfig:
@@ -603,7 +603,9 @@ def _run_locked(
     settings: EvalSettings,
     *,
     keep_checkpoints: bool = False,
-) -> dict[str, Any]:
+) -> None:
+    """Probe, evaluate the teacher, then train and evaluate each of ``variants`` not finished yet (their files
+    under ``workdir``; run_comparison reports them)."""
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
     teacher, tokenizer = models.teacher(base_run)
@@ -628,7 +630,7 @@ def _run_locked(
         }
         _write_json(teacher_file, teacher_eval)
 
-    started, finished_times, records = time.perf_counter(), [], []
+    started, finished_times = time.perf_counter(), []
     for k, variant in enumerate(variants, 1):
         run, vdir, digest = _variant_run(variant, head_maps, workdir, settings)
         if _finished(vdir, digest):
@@ -669,8 +671,6 @@ def _run_locked(
                 f"elapsed {_fmt_seconds(elapsed)}, ETA {_fmt_seconds(eta)}",
                 flush=True,
             )
-        records.append(variant_record(variant, run, vdir, digest))
-    return _write_results(workdir, base_run, settings, teacher_eval, records, unfinished=[])
 
 
 def prune_checkpoints(vdir: Path) -> int:
@@ -770,13 +770,13 @@ def merged_records(
     naming the file and the difference): a merged report must compare like with like. Each merged record keeps
     where it came from (``merged_from``)."""
     by_name = {v.name: v for v in variants}
+    mine = base.to_dict()
     merged: dict[str, dict[str, Any]] = {}
     for path in paths:
         path = Path(path)
         results = _read_json(path)
         if not isinstance(results, dict) or "variants" not in results:
             raise ConfigError(f"--merge {path}: not a comparison's results.json (missing, unreadable or no variants).")
-        mine = base.to_dict()
         theirs = results.get("base") or {}
         differ = sorted(k for k in set(mine) | set(theirs) if _canonical(mine.get(k)) != _canonical(theirs.get(k)))
         if differ:

@@ -220,10 +220,12 @@ def _styles(n: int) -> list[dict[str, str]]:
 
 
 def _legend_below(fig, handles: dict) -> None:
+    """One legend for all panels under them, then the layout with room for it (call after the last title)."""
     if handles:
         fig.legend(
             handles.values(), handles.keys(), loc="lower center", ncol=min(_LEGEND_COLUMNS, len(handles)), fontsize=8
         )
+    fig.tight_layout(rect=(0, _LEGEND_ROW * math.ceil(len(handles) / _LEGEND_COLUMNS), 1, 1))
 
 
 def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
@@ -263,9 +265,8 @@ def plot_pareto(results: dict, rows: list[dict], out: Path) -> str:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    _legend_below(fig, handles)
     fig.suptitle(f"Equal-budget comparison ({rows[0]['source'] if rows else ''})")
-    fig.tight_layout(rect=(0, _LEGEND_ROW * math.ceil(len(handles) / _LEGEND_COLUMNS), 1, 1))
+    _legend_below(fig, handles)
     fig.savefig(out / "pareto.png", dpi=110)
     plt.close(fig)
     return "pareto.png"
@@ -296,7 +297,6 @@ def plot_loss_curves(results: dict, out: Path) -> str:
     if not stages:
         axes[0][0].text(0.5, 0.5, "no metrics rows", ha="center")
     _legend_below(fig, handles)
-    fig.tight_layout(rect=(0, _LEGEND_ROW * math.ceil(len(handles) / _LEGEND_COLUMNS), 1, 1))
     fig.savefig(out / "loss_curves.png", dpi=110)
     plt.close(fig)
     return "loss_curves.png"
