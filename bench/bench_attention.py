@@ -104,9 +104,9 @@ def make_block(cfg: ModelConfig, kind: str) -> Attention:
     if kind == "xla-dense":
         return DenseAttention(cfg, rngs=rngs, attention_impl="xla")
     if kind == "1-FA":
-        return HydraHeadAttention(cfg, rngs=rngs, fa_groups=(0,), hybrid_cfg=hc)
+        return HydraHeadAttention(cfg, rngs=rngs, fa_counts=(1,), hybrid_cfg=hc)
     if kind == "all-LA":
-        return HydraHeadAttention(cfg, rngs=rngs, fa_groups=(), hybrid_cfg=hc)
+        return HydraHeadAttention(cfg, rngs=rngs, fa_counts=(0,), hybrid_cfg=hc)
     raise ValueError(kind)
 
 

@@ -58,17 +58,17 @@ def filled_cache(model, context: int, capacity: int, seed: int):
     cache = model.init_cache(1, capacity)
     key = jax.random.key(seed)
     layers = []
-    for layer in cache["layers"]:
+    for layer in cache["layers"]:  # one stack per layer kind: [layers of the kind, batch, ...]
         new = {}
         for name, x in layer.items():
             key, sub = jax.random.split(key)
             if name in ("k", "v"):
-                vals = jax.random.normal(sub, x.shape[:1] + (context,) + x.shape[2:], x.dtype)
-                new[name] = x.at[:, :context].set(vals)
+                vals = jax.random.normal(sub, x.shape[:2] + (context,) + x.shape[3:], x.dtype)
+                new[name] = x.at[:, :, :context].set(vals)
             else:  # gdn_state / conv_state: constant size, any finite value
                 new[name] = (0.1 * jax.random.normal(sub, x.shape, jnp.float32)).astype(x.dtype)
         layers.append(new)
-    return {"index": jnp.asarray(context, jnp.int32), "layers": layers}
+    return {"index": jnp.asarray(context, jnp.int32), "layers": tuple(layers)}
 
 
 def main(argv=None):

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -176,11 +177,79 @@ def load_hydrahead(path: str | Path, *, device=None):
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), nnx.as_pure(abs_state))
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            state = ckptr.restore(path / "params", target)
+            try:
+                state = ckptr.restore(path / "params", target)
+            except Exception:  # noqa: BLE001 — an export written before the layers were stacked, or damaged
+                raw = ckptr.restore(path / "params")
+                if not _per_layer(raw):
+                    raise
+                state = jax.device_put(stack_per_layer_export(raw, abs_state, cfg, head_map, hybrid_cfg), sharding)
     except Exception as err:  # noqa: BLE001 — Orbax/TensorStore raise many types for a damaged checkpoint
         raise DamagedExportError(path, f"params/ does not restore ({_short(err)})") from None
     model = nnx.merge(graphdef, state)
     return model, _load_tokenizer(path)
+
+
+def _per_layer(raw) -> bool:
+    """Whether restored parameters are in the per-layer layout of exports written before the layers were one
+    stack (``layers`` holds one subtree per layer index)."""
+    layers = raw.get("layers") if isinstance(raw, dict) else None
+    return isinstance(layers, dict) and "0" in {str(k) for k in layers}
+
+
+def stack_per_layer_export(raw: dict, abs_state, cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig):
+    """The state of ``build_model(cfg, head_map, hybrid_cfg)`` from an export in the per-layer layout (``layers``
+    /i/… with each layer's heads in their original order and its GDN heads for its own LA groups only): every
+    layer's KV groups stored FA groups first (``permute_groups``), its GDN heads and fusion scales in the first
+    slots of the stacked shapes, the rest zero, then stacked. Exact: a permutation and zero padding."""
+    from hydrahead_jax.hybrid.attention import group_columns, group_order
+    from hydrahead_jax.hybrid.gdn import place_la_array
+
+    layers = {str(k): v for k, v in raw["layers"].items()}
+    orders = [group_order(groups, cfg.num_kv_heads) for groups in head_map.fa_groups]
+    max_la = cfg.num_kv_heads - min(len(groups) for groups in head_map.fa_groups)
+    q_cols = [group_columns(o, cfg.group_size, cfg.head_dim) for o in orders]
+    kv_cols = [group_columns(o, 1, cfg.head_dim) for o in orders]
+    heads = [group_columns(o, cfg.group_size, 1) for o in orders]
+    permuted = {"q_proj": (q_cols, -1), "k_proj": (kv_cols, -1), "v_proj": (kv_cols, -1)}
+
+    def layer_value(i: int, rest: tuple[str, ...], shape, dtype):
+        node = layers[str(i)]
+        for key in rest:
+            node = node.get(key) if isinstance(node, dict) else None
+        f = len(head_map.fa_groups[i])
+        if node is None:  # a softmax-only layer had no GDN or fusion: its slots are zero
+            return np.zeros(shape, dtype)
+        a = np.asarray(node)
+        module = rest[1] if len(rest) > 1 else ""
+        if module in permuted and rest[0] == "self_attn":
+            cols, axis = permuted[module]
+            return np.take(a, cols[i], axis=axis)
+        if rest[:2] == ("self_attn", "o_proj"):
+            return np.take(a, q_cols[i], axis=0)
+        if rest[:2] == ("self_attn", "gdn"):
+            return place_la_array(rest[2:], a, cfg, cfg.num_kv_heads - f, max_la)
+        if rest[:2] == ("self_attn", "fusion"):
+            if hybrid_cfg.fusion == "both":
+                a = a[heads[i]]  # the old fusion covered every head in the original order
+            return np.pad(a, [(0, shape[0] - a.shape[0])] + [(0, 0)] * (a.ndim - 1))  # la_only: LA heads, sorted
+        return a
+
+    flat = []
+    for path, leaf in nnx.to_flat_state(abs_state):
+        keys = tuple(str(k) for k in path)
+        shape, dtype = leaf.shape, leaf.dtype
+        if keys[0] == "layers":
+            value = np.stack([layer_value(i, keys[1:], shape[1:], dtype) for i in range(cfg.num_layers)])
+        else:
+            node = raw
+            for key in keys:
+                node = node[key]
+            value = np.asarray(node)
+        if value.shape != tuple(shape):
+            raise ValueError(f"parameter {'/'.join(keys)}: {value.shape} in the export, {tuple(shape)} expected.")
+        flat.append((path, leaf.replace(jnp.asarray(value, dtype))))
+    return nnx.from_flat_state(flat)
 
 
 def _load_tokenizer(path: Path):

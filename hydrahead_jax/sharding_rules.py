@@ -29,6 +29,7 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "mlp": "tensor",
     "head_dim": None,
     "norm": None,
+    "layers": None,  # the leading axis of the stacked layers (models.transformer): every device holds all layers
 }
 
 

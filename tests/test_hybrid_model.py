@@ -13,6 +13,7 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student, new_param_filter
 from hydrahead_jax.hybrid.attention import HydraHeadAttention
+from hydrahead_jax.hybrid.fusion import fused_heads
 from hydrahead_jax.models.generate import generate
 from hydrahead_jax.models.transformer import Transformer
 
@@ -104,14 +105,34 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
     student_flat = dict(nnx.to_flat_state(nnx.state(hybrid, nnx.Param)))
     new_paths = {p for p, _ in nnx.to_flat_state(nnx.state(hybrid, new_param_filter))}
     # Every teacher weight (embeddings, norms, MLP, q/k/v/o, biases, q/k norms, lm_head) lands bit-exactly (the
-    # student was initialised from another seed, and the teacher's biases / norm weights are not 0 / 1) ...
+    # student was initialised from another seed, and the teacher's biases / norm weights are not 0 / 1), each
+    # layer's KV groups stored FA groups first: layer 2 (FA group 1) stores group 1, then group 0 ...
     assert set(teacher_flat) == set(student_flat) - new_paths
+    orders = [[0, 1], [0, 1], [1, 0]]
+    G, D = CFG.group_size, CFG.head_dim
+
+    def stored(path, value):
+        name = path[-2] if path[-1] in ("kernel", "bias") else path[-1]
+        if path[0] != "layers" or name not in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            return value
+        width = (G if name in ("q_proj", "o_proj") else 1) * D  # entries per KV group
+        out = np.empty_like(value)
+        for layer, order in enumerate(orders):
+            for j, g in enumerate(order):  # stored group j is original group g
+                src, dst = slice(g * width, (g + 1) * width), slice(j * width, (j + 1) * width)
+                if name == "o_proj":
+                    out[layer, dst] = value[layer, src]
+                else:
+                    out[layer, ..., dst] = value[layer, ..., src]
+        return out
+
     for path, var in teacher_flat.items():
-        np.testing.assert_array_equal(np.asarray(student_flat[path][...]), np.asarray(var[...]), err_msg=str(path))
+        want = stored(path, np.asarray(var[...]))
+        np.testing.assert_array_equal(np.asarray(student_flat[path][...]), want, err_msg=str(path))
         # copies, not shared buffers (donating the student must not delete the teacher's weights)
         assert student_flat[path][...].unsafe_buffer_pointer() != var[...].unsafe_buffer_pointer(), path
-    # ... and the new parameters are exactly the GDN and fusion ones of the hybrid layers (layers 1 and 2).
-    assert new_paths and all(("gdn" in p or "fusion" in p) and p[1] in (1, 2) for p in new_paths)
+    # ... and the new parameters are exactly the GDN and fusion ones
+    assert new_paths and all("gdn" in p or "fusion" in p for p in new_paths)
     assert {p[-2] if p[-1] in ("kernel", "bias") else p[-1] for p in new_paths} == {
         "a_proj",
         "b_proj",
@@ -122,7 +143,18 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
         "o_norm_weight",
         "gamma",
     }
-    assert not hasattr(hybrid.layers[0].self_attn, "gdn")  # an all-FA layer stays the teacher's layer
+    # an all-FA layer stays the teacher's layer: its GDN and fusion slots are zero (and unused)
+    for path in new_paths:
+        assert not np.any(np.asarray(student_flat[path][...])[0]), path
+    pos = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32), (2, 48))
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 48, CFG.hidden_size)), jnp.float32)
+
+    def layer0(model):
+        graphdef, state = nnx.split(model.layers)
+        run = jax.jit(lambda s: nnx.merge(graphdef, s)(h, pos, kind=CFG.num_kv_heads)[0])
+        return np.asarray(run(jax.tree.map(lambda a: a[0], state)))
+
+    np.testing.assert_array_equal(layer0(hybrid), layer0(teacher))
 
     s_logits = forward(hybrid, ids)
     kl, uniform_kl = _kl(t_logits, s_logits), _kl(t_logits, np.zeros_like(t_logits))
@@ -132,9 +164,9 @@ def test_all_fa_student_is_the_teacher_weights_are_copied_exactly_and_kl_at_init
 
 def test_subset_of_groups_needs_a_hybrid_config():
     with pytest.raises(ValueError, match="hybrid_cfg"):
-        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_groups=(1,))
-    with pytest.raises(ValueError, match="distinct KV group"):
-        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_groups=(2,), hybrid_cfg=HybridConfig())
+        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_counts=(1,))
+    with pytest.raises(ValueError, match="FA-group counts"):
+        HydraHeadAttention(CFG, rngs=nnx.Rngs(0), fa_counts=(3,), hybrid_cfg=HybridConfig())
 
 
 # ------------------------------------------------------------------------------------------ numpy oracle
@@ -226,7 +258,7 @@ def test_la_path_matches_naive_recurrence(hc):
     model = build_model(cfg, HeadMap.all_la(cfg), hc, nnx.Rngs(3))
     perturb(model, nnx.Param, 5, scale=0.1)  # biases and q/k norm weights away from 0 and 1
     perturb(model, new_param_filter, 6, scale=0.5)  # decays, β, gate, conv taps, γ: all random
-    attn = model.layers[0].self_attn
+    attn = model.layer(0).self_attn  # all LA: kind 0, the default
     x = np.asarray(jax.random.normal(jax.random.key(2), (2, 70, cfg.hidden_size)), np.float32)  # 70 > chunk 64
     positions = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32), (2, 70))
 
@@ -281,11 +313,11 @@ def test_causal_conv_values_and_gradients_match_xla_conv(with_state):
 def naive_teacher_heads(teacher, ids):
     """Per-head attention outputs (before o_proj) of a one-layer teacher, in float64 numpy."""
     cfg = teacher.cfg
-    attn = teacher.layers[0].self_attn
+    attn = teacher.layer(0).self_attn
     B, T = ids.shape
     H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
     x = _rms_norm(
-        _np(teacher.embed_tokens.embedding)[ids], _np(teacher.layers[0].input_layernorm.weight), cfg.rms_norm_eps
+        _np(teacher.embed_tokens.embedding)[ids], _np(teacher.layer(0).input_layernorm.weight), cfg.rms_norm_eps
     )
     q = (x @ _np(attn.q_proj.kernel) + _np(attn.q_proj.bias)).reshape(B, T, H, D)
     k = (x @ _np(attn.k_proj.kernel) + _np(attn.k_proj.bias)).reshape(B, T, -1, D)
@@ -309,27 +341,31 @@ def test_fusion_modes_and_calibration(fusion, granularity):
     ids = ids_of((2, 24), seed=3)
     hc = HybridConfig(fusion=fusion, fusion_granularity=granularity)
     student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[1]], method="test"), hc, calibration_ids=ids)
-    attn = student.layers[0].self_attn
+    attn = student.layer(0).self_attn
     x, teacher_heads = naive_teacher_heads(teacher, ids)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     heads = np.asarray(
-        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).head_outputs(x, positions)[0])(
+        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).head_outputs(x, positions, kind=1)[0])(
             nnx.state(attn), jnp.asarray(x, jnp.float32)
         ),
         np.float64,
     )
+    stored = np.array([2, 3, 0, 1])  # the layer stores its FA group 1 (query heads 2, 3) first, then group 0
+    heads = heads[:, :, np.argsort(stored)]  # back to the original head order
     fa, la = [2, 3], [0, 1]  # FA group 1 = query heads 2, 3
     rms = np.sqrt(np.mean(heads**2, axis=-1))  # [B,T,H] per-token RMS of every head
     if fusion == "none":
         assert attn.fusion is None
         np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)
         return
-    gamma = np.asarray(attn.fusion.gamma[...], np.float64)
+    gamma = np.asarray(attn.fusion.gamma[...], np.float64)  # per fusion slot: the fused heads in stored order
+    assert list(fused_heads(student, 0)) == (la if fusion == "la_only" else list(stored))
+    if fusion == "both":
+        gamma = gamma[np.argsort(stored)]
     # γ initialised to the teacher's measured output RMS over the batch, computed here by hand.
     axes = (0, 1, 3) if granularity == "head" else (0, 1)
     measured = np.sqrt(np.mean(teacher_heads**2, axis=axes))
     touched = la if fusion == "la_only" else [0, 1, 2, 3]
-    assert attn.fusion.heads == tuple(touched)
     np.testing.assert_allclose(gamma, measured[touched], rtol=1e-5)
     if fusion == "la_only":
         np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)  # FA heads untouched
@@ -377,13 +413,18 @@ def test_prefill_plus_decode_equals_full_forward(variant):
     np.testing.assert_allclose(logits, full[:, 65:], atol=1e-4, rtol=0)
     if spec not in (None, "layerwise"):
         cache = model.init_cache(2, 130)
-        for attn, layer_cache in zip((layer.self_attn for layer in model.layers), cache["layers"]):
-            assert ("k" in layer_cache) == bool(attn.fa_groups)
-            if "k" in layer_cache:
-                assert layer_cache["k"].shape == (2, 130, len(attn.fa_groups), CFG.head_dim)
-            if attn.la_groups:
-                assert layer_cache["gdn_state"].shape == (2, 2 * len(attn.la_groups), 16, 16)
-                assert layer_cache["gdn_state"].dtype == jnp.float32
+        # one stack per FA count f (the layer kinds), holding the caches of its layers
+        counts = [len(groups) for groups in hm.fa_groups]
+        assert model.kinds == tuple(sorted(set(counts))) and len(cache["layers"]) == len(model.kinds)
+        for f, kind_cache in zip(model.kinds, cache["layers"]):
+            layers = counts.count(f)
+            assert ("k" in kind_cache) == (f > 0)
+            if "k" in kind_cache:
+                assert kind_cache["k"].shape == (layers, 2, 130, f, CFG.head_dim)
+            assert ("gdn_state" in kind_cache) == (f < CFG.num_kv_heads)
+            if f < CFG.num_kv_heads:
+                assert kind_cache["gdn_state"].shape == (layers, 2, 2 * (CFG.num_kv_heads - f), 16, 16)
+                assert kind_cache["gdn_state"].dtype == jnp.float32
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -394,10 +435,8 @@ def test_bf16_params_and_compute_run_without_nan():
     student = build_student(
         teacher, HeadMap.from_fa_groups(cfg, [[0], []], method="test"), HybridConfig(), calibration_ids=ids
     )
-    assert student.layers[1].self_attn.gdn.A_log.dtype == jnp.bfloat16
-    assert all(
-        np.isfinite(np.asarray(f.gamma[...], np.float32)).all() and (np.asarray(f.gamma[...]) > 0).all()
-        for f in (student.layers[1].self_attn.fusion, student.layers[0].self_attn.fusion)
-    )
+    assert student.layers.self_attn.gdn.A_log.dtype == jnp.bfloat16
+    gamma = np.asarray(student.layers.self_attn.fusion.gamma[...], np.float32)  # [layer, head]: both layers fused
+    assert np.isfinite(gamma).all() and (gamma > 0).all()
     _, logits = generate(student, ids, 30, return_logits=True)  # chunked prefill over 70 tokens, then decode
     assert logits.dtype == np.float32 and np.isfinite(logits).all() and logits.std() > 0

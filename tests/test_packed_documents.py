@@ -169,7 +169,7 @@ def test_one_hybrid_layer_values_and_input_gradients_per_document():
     """The HydraHead attention block alone (FA group + GDN heads + conv + fusion) on packed inputs x: its outputs and
     ∂/∂x of Σ⟨out, r⟩ equal those of each document's x run alone."""
     _, student = models()
-    layer = student.layers[0].self_attn
+    layer = functools.partial(student.layer(0).self_attn, kind=student.layer_kinds[0])
     docs_per_row = documents()
     batch = packed_batch(docs_per_row)
     rng = np.random.default_rng(5)

@@ -62,7 +62,8 @@ def reference_forward(model, ids, edit=None):
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     h = model.embed_tokens(jnp.asarray(ids))
     all_probs, all_heads = [], []
-    for l, layer in enumerate(model.layers):
+    for l in range(cfg.num_layers):
+        layer = model.layer(l)
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(h), pos)
         k = jnp.repeat(k, cfg.group_size, axis=2)
@@ -127,15 +128,15 @@ def _copy_head_model(head: int):
     lowest-frequency rotary pair (half-split coordinates D/2−1 and D−1), whose angle stays < 1e-2 rad here."""
     m = Transformer(CFG, rngs=nnx.Rngs(5))
     d, hd = CFG.head_dim, CFG.head_dim
-    wq = np.array(m.layers[0].self_attn.q_proj.kernel[...])
-    wk = np.array(m.layers[0].self_attn.k_proj.kernel[...])
+    q_kernel, k_kernel = m.layers.self_attn.q_proj.kernel, m.layers.self_attn.k_proj.kernel  # [layer, in, out]
+    wq, wk = np.array(q_kernel[...][0]), np.array(k_kernel[...][0])
     wq[:, head * hd : (head + 1) * hd] = 0.0
     wq[1, head * hd + d // 2 - 1] = 60.0
     g = head // CFG.group_size
     wk[:, g * hd : (g + 1) * hd] = 0.0
     wk[0, g * hd + d // 2 - 1] = 60.0
-    m.layers[0].self_attn.q_proj.kernel.set_value(jnp.asarray(wq))
-    m.layers[0].self_attn.k_proj.kernel.set_value(jnp.asarray(wk))
+    q_kernel.set_value(q_kernel[...].at[0].set(wq))
+    k_kernel.set_value(k_kernel[...].at[0].set(wk))
     m.base_embedding = nnx.Variable(jnp.array(m.embed_tokens.embedding[...]) * 0.01)
     return m
 

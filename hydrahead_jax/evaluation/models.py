@@ -48,7 +48,7 @@ def describe(model: nnx.Module) -> dict:
     params = nnx.state(model, nnx.Param)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
     cfg = model.cfg
-    fa = [len(getattr(layer.self_attn, "fa_groups", range(cfg.num_kv_heads))) for layer in model.layers]
+    fa = model.fa_groups_per_layer
     return {
         "params": n_params,
         "config": cfg.to_dict(),

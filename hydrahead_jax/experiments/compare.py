@@ -485,7 +485,7 @@ def evaluate(model, tokenizer, teacher, teacher_tokenizer, run, settings, ids, n
     start = time.perf_counter()
     suites = [t for t in settings.suite if retrieval or t in ("ppl", "agreement")]
     suite, note = suite_metrics(model, tokenizer, teacher, teacher_tokenizer, run, settings, name, suites)
-    fa = [len(getattr(layer.self_attn, "fa_groups", range(model.cfg.num_kv_heads))) for layer in model.layers]
+    fa = model.fa_groups_per_layer
     return {
         "data": data_agreement(model, teacher, ids),
         "suite": suite,

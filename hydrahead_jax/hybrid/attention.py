@@ -7,8 +7,16 @@ gives each layer its FA groups; every other group is LA:
     q, k, v = teacher projections (+ q/k norm)                     [B,T,Hq,D], [B,T,Hkv,D]
     o_FA = softmax attention(RoPE(q_FA), RoPE(k_FA), v_FA)          KV cache for FA groups only
     o_LA = GatedDeltaNet(x, q_LA, k_LA, v_LA)                       constant-size state (hybrid/gdn.py)
-    o    = fusion(concat(o_FA, o_LA) in original head order)       (hybrid/fusion.py)
+    o    = fusion(concat(o_FA, o_LA))                               (hybrid/fusion.py)
     out  = o · W_o                                                  the teacher's o_proj
+
+Stored order. A student's layer keeps its KV groups permuted so that its f FA groups come first (``group_order``,
+``permute_groups``: the q/k/v projection columns and biases and the o_proj rows move with their heads, exact in
+real arithmetic since o_proj sums over heads): q_FA is then q[:, :, :f·G], q_LA the rest, with no gather and no
+re-ordering before o_proj. The head map keeps the original group indices (``Transformer.group_order`` maps stored
+to original). Layers then differ only in f, their *kind*: the model's layers are one stack with one parameter
+shape (``Transformer.layers``), the GDN heads held at the model's largest LA head count, and the scan body
+switches on f, so each distinct f compiles once whatever the depth.
 
 Scale-normalised fusion (our design; the paper's formula is not public). For every head h it touches (the LA heads
 for ``la_only``, all heads of the layer for ``both``):
@@ -23,12 +31,12 @@ part of a teacher head's output that does not depend on the token (attention-sin
 constant). ``none`` leaves outputs untouched.
 
 Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
-and, with the conv, conv_state [B, conv_size−1, C] for the LA groups.
+and, with the conv, conv_state [B, conv_size−1, C] for the LA groups (the model stacks it per kind).
 
-A layer whose groups are all FA is the teacher's layer unchanged (no GDN, no fusion), whatever the HybridConfig
-says; its parameters are exactly the teacher's. The block subclasses the teacher's ``Attention``, so parameter
-paths (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, plus gdn and fusion) match the teacher's and checkpoints of
-either load into the other's shared parameters.
+A layer whose groups are all FA is the teacher's layer unchanged (no GDN, no fusion: its GDN and fusion slots stay
+zero and unused), whatever the HybridConfig says; its parameters are exactly the teacher's. The block subclasses
+the teacher's ``Attention``, so parameter paths (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, plus gdn and
+fusion) match the teacher's (the student's in its stored group order).
 """
 
 from __future__ import annotations
@@ -42,49 +50,42 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.config import HybridConfig
-from hydrahead_jax.hybrid.gdn import GatedDeltaNetHeads, gated_rms_norm_grads
+from hydrahead_jax.hybrid.gdn import (
+    GatedDeltaNetHeads,
+    gated_rms_norm_grads,
+    map_arrays,
+    place_la_groups,
+    take_la_groups,
+)
 from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache, check_segments
 from hydrahead_jax.models.layers import rms_normalize
 
 
-def group_heads(groups: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """Query-head indices of the given KV groups, in order."""
-    return tuple(g * group_size + j for g in groups for j in range(group_size))
-
-
-def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
-    """x[:, :, heads] with static indices: a slice when they are contiguous, a gather otherwise."""
-    if heads == tuple(range(heads[0], heads[0] + len(heads))):
-        return jax.lax.slice_in_dim(x, heads[0], heads[0] + len(heads), axis=2)
-    return jnp.take(x, np.asarray(heads), axis=2)
-
-
 class ScaleFusion(nnx.Module):
     """Per-head RMS normalisation times a learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at
-    construction) for the query heads ``heads`` (original indices, sorted)."""
+    construction) for ``num_heads`` head slots; a layer fusing fewer heads uses the first ones (``__call__``)."""
 
-    def __init__(
-        self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype, bias: bool = False
-    ):
-        self.heads = tuple(heads)
+    def __init__(self, num_heads: int, head_dim: int, *, granularity: str, eps: float, param_dtype, bias: bool = False):
+        self.num_heads = int(num_heads)
         self.granularity = granularity
         self.eps = eps
-        shape = (len(heads),) if granularity == "head" else (len(heads), head_dim)
+        shape = (num_heads,) if granularity == "head" else (num_heads, head_dim)
         self.gamma = nnx.Param(
             jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
         )
         if bias:
             self.mu = nnx.Param(
-                jnp.zeros((len(heads), head_dim), param_dtype), out_sharding=("norm", None), eager_sharding=False
+                jnp.zeros((num_heads, head_dim), param_dtype), out_sharding=("norm", None), eager_sharding=False
             )
         else:
             self.mu = None
 
     def __call__(self, o: jax.Array) -> jax.Array:
-        """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
-        gamma = self.gamma[...]
+        """o [B,T,H',D], H' ≤ num_heads heads fused by the first H' slots → same shape and dtype."""
+        n = o.shape[2]
+        gamma = self.gamma[...][:n]
         gamma = gamma[:, None] if self.granularity == "head" else gamma
-        return _scale_rms_norm(o, gamma, None if self.mu is None else self.mu[...], self.eps)
+        return _scale_rms_norm(o, gamma, None if self.mu is None else self.mu[...][:n], self.eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -115,55 +116,104 @@ _scale_rms_norm.defvjp(_scale_rms_norm_fwd, _scale_rms_norm_bwd)
 
 
 class HydraHeadAttention(Attention):
-    """The teacher's attention with the KV groups not in ``fa_groups`` run as Gated DeltaNet heads (submodule
-    ``gdn``) and head outputs fused (submodule ``fusion``); ``fa_groups`` = every group gives the teacher's layer."""
+    """The teacher's attention with some KV groups run as Gated DeltaNet heads (submodule ``gdn``) and head outputs
+    fused (submodule ``fusion``), in the form every layer of a student shares (the layers are one stack).
+
+    The layer's parameters hold its KV groups permuted so that its FA groups come first (``permute_groups``); the
+    layer's static ``kind`` (``Transformer.layer_kinds``) is its FA-group count f: groups 0 … f−1 of the stored
+    order are softmax, groups f … Hkv−1 Gated DeltaNet. ``fa_counts``: every f the model's layers use. The GDN
+    heads (and, for ``la_only``, the fusion slots) are held at the largest LA head count of the model; a layer
+    with fewer LA groups uses the first ones, the others stay zero (they receive no gradient). ``layer_fa``: this
+    layer's f, for its initial values (the GDN decay spread over its own LA heads, unused slots zero).
+    f = Hkv is the teacher's layer unchanged (no GDN, no fusion), whatever the HybridConfig says."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         *,
         rngs: nnx.Rngs,
-        fa_groups: tuple[int, ...],
+        fa_counts: tuple[int, ...],
+        layer_fa: int | None = None,
         hybrid_cfg: HybridConfig | None = None,
         attention_impl: str = "auto",
         context_parallel: str = "allgather",
     ):
         super().__init__(cfg, rngs=rngs, attention_impl=attention_impl, context_parallel=context_parallel)
-        all_groups = tuple(range(cfg.num_kv_heads))
-        self.fa_groups = tuple(sorted(int(g) for g in fa_groups))
-        bad = [g for g in self.fa_groups if not 0 <= g < cfg.num_kv_heads]
-        if bad or len(set(self.fa_groups)) != len(self.fa_groups):
+        self.fa_counts = tuple(sorted({int(f) for f in fa_counts}))
+        if not self.fa_counts or not all(0 <= f <= cfg.num_kv_heads for f in self.fa_counts):
+            raise ValueError(f"fa_counts={tuple(fa_counts)} must be FA-group counts in [0, {cfg.num_kv_heads}].")
+        layer_fa = self.fa_counts[0] if layer_fa is None else int(layer_fa)
+        if layer_fa not in self.fa_counts:
+            raise ValueError(f"layer_fa={layer_fa} is not one of fa_counts={self.fa_counts}.")
+        self.max_la_groups = cfg.num_kv_heads - self.fa_counts[0]
+        if self.max_la_groups and hybrid_cfg is None:
             raise ValueError(
-                f"fa_groups={tuple(fa_groups)} must be distinct KV group indices in [0, {cfg.num_kv_heads})."
+                f"fa_counts={self.fa_counts} leaves KV groups without softmax attention; pass "
+                "hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads."
             )
-        self.la_groups = tuple(g for g in all_groups if g not in self.fa_groups)
-        if self.la_groups and hybrid_cfg is None:
-            raise ValueError(
-                f"fa_groups={self.fa_groups} leaves KV groups {self.la_groups} without softmax "
-                "attention; pass hybrid_cfg=HybridConfig(...) to run them as Gated DeltaNet heads."
-            )
-        # A layer without LA groups is the teacher's layer: nothing to fuse, so no hybrid machinery.
-        self.hybrid_cfg = hybrid_cfg if self.la_groups else None
+        # A model without LA groups is the teacher: nothing to fuse, so no hybrid machinery.
+        self.hybrid_cfg = hybrid_cfg if self.max_la_groups else None
         if self.hybrid_cfg is None:
             return
         hc = self.hybrid_cfg
-        self.fa_heads = group_heads(self.fa_groups, cfg.group_size)
-        self.la_heads = group_heads(self.la_groups, cfg.group_size)
-        # concat(o_FA, o_LA)[..., order[h], :] is head h in the original order.
-        self.head_order = tuple(int(i) for i in np.argsort(np.asarray(self.fa_heads + self.la_heads)))
-        self.gdn = GatedDeltaNetHeads(cfg, hc, self.la_groups, rngs=rngs)
+        self.gdn = GatedDeltaNetHeads(cfg, hc, tuple(range(self.max_la_groups)), rngs=rngs)
+        la = cfg.num_kv_heads - layer_fa
+        if la < self.max_la_groups:
+            # this layer's own initial GDN values in front, zeros in the slots it does not use
+            own = GatedDeltaNetHeads(cfg, hc, tuple(range(la)), rngs=nnx.Rngs(0)) if la else None
+            full = nnx.state(self.gdn)
+            values = (
+                jax.tree.map(jnp.zeros_like, full)
+                if own is None
+                else place_la_groups(nnx.state(own), cfg, la, self.max_la_groups)
+            )
+            nnx.update(self.gdn, values)
         if hc.fusion != "none":
-            heads = self.la_heads if hc.fusion == "la_only" else tuple(range(cfg.num_heads))
+            slots = self.max_la_groups * cfg.group_size if hc.fusion == "la_only" else cfg.num_heads
             self.fusion = ScaleFusion(
-                heads,
+                slots,
                 cfg.head_dim,
                 granularity=hc.fusion_granularity,
                 eps=cfg.rms_norm_eps,
                 param_dtype=cfg.jnp_param_dtype,
                 bias=hc.fusion_bias,
             )
+            used = self.fused_heads(layer_fa)
+            if used < slots:
+                self.fusion.gamma.set_value(self.fusion.gamma[...].at[used:].set(0))
         else:
             self.fusion = None
+
+    def resolve_kind(self, kind: int | None) -> int:
+        """``kind``, or for None the one FA count of an attention built for a single one (a lone block)."""
+        if kind is not None:
+            return int(kind)
+        if len(self.fa_counts) != 1:
+            raise ValueError(f"this attention serves layers of FA counts {self.fa_counts}: pass the layer's kind.")
+        return self.fa_counts[0]
+
+    def is_hybrid(self, kind: int) -> bool:
+        """Whether a layer of this kind (FA-group count) has LA groups."""
+        return self.hybrid_cfg is not None and kind < self.cfg.num_kv_heads
+
+    def fused_heads(self, kind: int) -> int:
+        """How many heads a layer of this kind fuses (the first slots of ``fusion``): its LA query heads for
+        ``la_only``, all query heads for ``both``, 0 for a softmax-only layer."""
+        if not self.is_hybrid(kind) or self.fusion is None:
+            return 0
+        if self.hybrid_cfg.fusion == "la_only":
+            return (self.cfg.num_kv_heads - kind) * self.cfg.group_size
+        return self.cfg.num_heads
+
+    def gdn_heads(self, kind: int) -> GatedDeltaNetHeads:
+        """The GDN heads of a layer of this kind: ``gdn`` restricted to its Hkv − kind LA groups (a view whose
+        parameters are slices of ``gdn``'s, so gradients reach the stacked parameters)."""
+        n = self.cfg.num_kv_heads - kind
+        if n == self.max_la_groups:
+            return self.gdn
+        shape = nnx.eval_shape(lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(n)), rngs=nnx.Rngs(0)))
+        graphdef, _ = nnx.split(shape)
+        return nnx.merge(graphdef, take_la_groups(nnx.state(self.gdn), self.cfg, self.max_la_groups, n))
 
     def head_outputs(
         self,
@@ -173,48 +223,50 @@ class HydraHeadAttention(Attention):
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
+        kind: int | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
-        """All head outputs [B,T,Hq,D] in the original order, before o_proj (and the new cache). With
-        ``segment_ids`` (packed documents) the FA groups attend within each document and the GDN heads restart
-        their state and conv at each document start."""
-        if self.hybrid_cfg is None:
+        """All head outputs [B,T,Hq,D] in the stored (FA-first) order, before o_proj (and the new cache), of a
+        layer with ``kind`` FA groups. With ``segment_ids`` (packed documents) the FA groups attend within each
+        document and the GDN heads restart their state and conv at each document start."""
+        kind = self.resolve_kind(kind)
+        if not self.is_hybrid(kind):
             return super().head_outputs(x, positions, cache, cache_index, probe, segment_ids)
         if probe is not None:
             raise ValueError("head-selection probes run on the teacher, not on a HydraHead student.")
         check_segments(segment_ids, cache, probe)
-        return self._fused_outputs(x, positions, cache, cache_index, segment_ids, fuse=True)
+        return self._fused_outputs(x, positions, cache, cache_index, segment_ids, kind, fuse=True)
 
-    def fusion_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """What the fusion receives, in the order of ``fusion.heads`` (no cache): the LA heads' outputs for
-        ``la_only``, every head's for ``both``; [B,T,len(fusion.heads),D]. The fusion's calibration fits γ, μ on it."""
-        if getattr(self, "fusion", None) is None:
+    def fusion_inputs(self, x: jax.Array, positions: jax.Array, kind: int | None = None) -> jax.Array:
+        """What the fusion of a layer of this kind receives (no cache): the LA heads' outputs for ``la_only``,
+        every head's for ``both``; [B,T,fused_heads(kind),D]. The fusion's calibration fits γ, μ on it."""
+        kind = self.resolve_kind(kind)
+        if not self.fused_heads(kind):
             raise ValueError("this layer has no fusion (fusion='none', or every KV group is FA).")
-        return self._fused_outputs(x, positions, None, None, None, fuse=False)[0]
+        return self._fused_outputs(x, positions, None, None, None, kind, fuse=False)[0]
 
-    def _fused_outputs(self, x, positions, cache, cache_index, segment_ids, *, fuse: bool):
-        """``head_outputs`` of a hybrid layer; ``fuse=False`` returns the fusion's input instead (no cache)."""
+    def _fused_outputs(self, x, positions, cache, cache_index, segment_ids, f: int, *, fuse: bool):
+        """``head_outputs`` of a hybrid layer with f FA groups; ``fuse=False`` returns the fusion's input instead
+        (no cache). The stored order puts the FA heads first: no gather, no re-ordering."""
         q, k, v = self.project_heads(x)
+        fa_heads = f * self.cfg.group_size
         new_cache = None if cache is None else dict(cache)
         parts = []
-        if self.fa_groups:
-            q_fa = self.rope(take_heads(q, self.fa_heads), positions)
-            k_fa = self.rope(take_heads(k, self.fa_groups), positions)
+        if f:
             fa_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
             o_fa, fa_cache = self.full_attention(
-                q_fa, k_fa, take_heads(v, self.fa_groups), fa_cache, cache_index, segment_ids
+                self.rope(q[:, :, :fa_heads], positions),
+                self.rope(k[:, :, :f], positions),
+                v[:, :, :f],
+                fa_cache,
+                cache_index,
+                segment_ids,
             )
             parts.append(o_fa)
             if cache is not None:
                 new_cache.update(fa_cache)
         la_cache = None if cache is None else {key: cache[key] for key in ("gdn_state", "conv_state") if key in cache}
-        o_la, la_cache = self.gdn(
-            x,
-            take_heads(q, self.la_heads),
-            take_heads(k, self.la_groups),
-            take_heads(v, self.la_groups),
-            positions,
-            la_cache,
-            segment_ids=segment_ids,
+        o_la, la_cache = self.gdn_heads(f)(
+            x, q[:, :, fa_heads:], k[:, :, f:], v[:, :, f:], positions, la_cache, segment_ids=segment_ids
         )
         if cache is not None:
             new_cache.update(la_cache)
@@ -224,22 +276,64 @@ class HydraHeadAttention(Attention):
             o_la = self.fusion(o_la)
         parts.append(o_la.astype(q.dtype))
         out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-        if self.fa_groups:
-            out = take_heads(out, self.head_order)
         if self.hybrid_cfg.fusion == "both":
             if not fuse:
                 return out, None
             out = self.fusion(out)
         return out, new_cache
 
-    def init_cache(self, batch: int, max_len: int, dtype) -> LayerCache:
-        """k, v [B, max_len, n_FA, D] for the FA groups (none when every group is LA), plus, in a layer with LA
-        groups, gdn_state [B, H_LA, D, D] fp32 and conv_state [B, conv_size−1, C]."""
-        if self.hybrid_cfg is None:
+    def init_cache(self, batch: int, max_len: int, dtype, kind: int | None = None) -> LayerCache:
+        """Cache of a layer of this kind: k, v [B, max_len, kind, D] for its FA groups (none when every group is
+        LA), plus, with LA groups, gdn_state [B, H_LA, D, D] fp32 and conv_state [B, conv_size−1, C]."""
+        kind = self.resolve_kind(kind)
+        if not self.is_hybrid(kind):
             return super().init_cache(batch, max_len, dtype)
         cache: LayerCache = {}
-        if self.fa_groups:
-            shape = (batch, max_len, len(self.fa_groups), self.cfg.head_dim)
+        if kind:
+            shape = (batch, max_len, kind, self.cfg.head_dim)
             cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-        cache.update(self.gdn.init_cache(batch, dtype))
+        cache.update(self.gdn_heads(kind).init_cache(batch, dtype))
         return cache
+
+
+def group_order(fa_groups, num_kv_heads: int) -> tuple[int, ...]:
+    """The stored KV-group order of a layer with these FA groups: its FA groups, then its LA groups (each
+    sorted); stored group j is original group ``group_order[j]``."""
+    fa = sorted(int(g) for g in fa_groups)
+    return tuple(fa) + tuple(g for g in range(num_kv_heads) if g not in fa)
+
+
+def group_columns(order: tuple[int, ...], heads_per_group: int, head_dim: int) -> np.ndarray:
+    """Indices into a [.., groups·heads_per_group·head_dim] axis laid out group-major that list the entries of
+    the groups in ``order``: the stored position p holds original entry ``group_columns(order)[p]``."""
+    width = heads_per_group * head_dim
+    return np.concatenate([np.arange(g * width, (g + 1) * width) for g in order])
+
+
+def permute_groups(layers_state: nnx.State, cfg: ModelConfig, orders) -> nnx.State:
+    """Layer-stacked parameters (``Transformer.layers``' state, leading axis L) with layer l's KV groups in
+    ``orders[l]``: stored group j = original group orders[l][j] in the q/k/v kernels' columns and biases and in
+    o_proj's rows, each group's query heads with it. Exact (a permutation of the heads, and the sum over heads in
+    o_proj is over the same terms); q/k norms act per dimension and stay."""
+    q_idx = np.stack([group_columns(o, cfg.group_size, cfg.head_dim) for o in orders])  # [L, Hq·D]
+    kv_idx = np.stack([group_columns(o, 1, cfg.head_dim) for o in orders])  # [L, Hkv·D]
+    axis_of = {
+        ("self_attn", "q_proj", "kernel"): (q_idx, 2),
+        ("self_attn", "q_proj", "bias"): (q_idx, 1),
+        ("self_attn", "k_proj", "kernel"): (kv_idx, 2),
+        ("self_attn", "k_proj", "bias"): (kv_idx, 1),
+        ("self_attn", "v_proj", "kernel"): (kv_idx, 2),
+        ("self_attn", "v_proj", "bias"): (kv_idx, 1),
+        ("self_attn", "o_proj", "kernel"): (q_idx, 1),
+    }
+
+    def permute(path, a):
+        key = tuple(str(p) for p in path)
+        if key not in axis_of:
+            return a
+        idx, axis = axis_of[key]
+        shape = [idx.shape[0]] + [1] * (a.ndim - 1)
+        shape[axis] = idx.shape[1]
+        return jnp.take_along_axis(a, jnp.asarray(idx.reshape(shape)), axis=axis)
+
+    return map_arrays(permute, layers_state)

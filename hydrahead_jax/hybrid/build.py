@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.hybrid.attention import HydraHeadAttention
+from hydrahead_jax.hybrid.attention import HydraHeadAttention, group_order, permute_groups
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.fusion import calibrate_fusion
 from hydrahead_jax.hybrid.head_map import HeadMap
@@ -23,22 +23,26 @@ def build_model(
 ) -> Transformer:
     """A randomly initialised HydraHead model of ``cfg`` with the FA groups of ``head_map`` (layers with every
     group FA are plain softmax layers; layers with none are all Gated DeltaNet): the teacher's ``Transformer``
-    with a ``HydraHeadAttention`` per layer, plugged in through its ``attention_factory``."""
+    with a ``HydraHeadAttention`` per layer, plugged in through its ``attention_factory``. Layer l's kind is its
+    FA-group count and its parameters store its FA groups first (``group_order``)."""
     hybrid_cfg = HybridConfig() if hybrid_cfg is None else hybrid_cfg
     head_map.validate(cfg)
     rngs = nnx.Rngs(0) if rngs is None else rngs
+    counts = tuple(len(groups) for groups in head_map.fa_groups)
 
     def factory(i: int, r: nnx.Rngs) -> HydraHeadAttention:
         return HydraHeadAttention(
             cfg,
             rngs=r,
-            fa_groups=tuple(head_map.fa_groups[i]),
+            fa_counts=counts,
+            layer_fa=counts[i],
             hybrid_cfg=hybrid_cfg,
             attention_impl=hybrid_cfg.attention_implementation,
             context_parallel=hybrid_cfg.attention_context_parallel,
         )
 
-    return Transformer(cfg, rngs=rngs, attention_factory=factory)
+    orders = tuple(group_order(groups, cfg.num_kv_heads) for groups in head_map.fa_groups)
+    return Transformer(cfg, rngs=rngs, attention_factory=factory, layer_kinds=counts, group_order=orders)
 
 
 def build_student(
@@ -50,10 +54,13 @@ def build_student(
     calibration_ids=None,
 ) -> Transformer:
     """A HydraHead student of ``teacher``: every teacher parameter (embeddings, norms, MLP, q/k/v/o and their
-    biases, q/k norms, lm_head) copied exactly, new GDN/fusion parameters at their initial values, and the fusion
-    scales set from the teacher's per-head output RMS on ``calibration_ids`` [B,T] when given. The student owns
-    its arrays (copies), so it can be donated to a jitted step while the teacher stays usable."""
+    biases, q/k norms, lm_head) copied exactly, each layer's KV groups permuted so its FA groups come first
+    (``permute_groups``), new GDN/fusion parameters at their initial values, and the fusion scales set from the
+    teacher on ``calibration_ids`` [B,T] when given. The student owns its arrays (copies), so it can be donated to
+    a jitted step while the teacher stays usable."""
     student = build_model(teacher.cfg, head_map, hybrid_cfg, rngs)
+    if any(o != tuple(range(teacher.cfg.num_kv_heads)) for o in teacher.group_order):
+        raise ValueError("build_student needs the teacher (its KV groups in their original order), not a student.")
     teacher_params = nnx.state(teacher, nnx.Param)
     student_params = dict(nnx.to_flat_state(nnx.state(student, nnx.Param)))
     for path, var in nnx.to_flat_state(teacher_params):
@@ -69,7 +76,9 @@ def build_student(
                 f"student's {target.shape} {target.dtype}."
             )
     # Copies, not shared buffers: donating the student's state to a train step must not delete the teacher's.
-    nnx.update(student, jax.tree.map(jnp.copy, teacher_params))
+    params = jax.tree.map(jnp.copy, teacher_params)
+    params["layers"] = permute_groups(params["layers"], teacher.cfg, student.group_order)
+    nnx.update(student, params)
     if calibration_ids is not None:
         calibrate_fusion(student, teacher, calibration_ids)
     return student

@@ -35,12 +35,12 @@ def _layout(model_or_cfg, head_map, hybrid_cfg):
             "head_map/hybrid_cfg only with a ModelConfig."
         )
     cfg = model_or_cfg.cfg
-    all_groups = tuple(range(cfg.num_kv_heads))
-    # The teacher's attention (not a HydraHeadAttention) keeps every group FA.
-    attns = [layer.self_attn for layer in model_or_cfg.layers]
-    hydra = [isinstance(a, HydraHeadAttention) for a in attns]
-    groups = [a.fa_groups if h else all_groups for a, h in zip(attns, hydra)]
-    return cfg, groups, [a.hybrid_cfg if h else None for a, h in zip(attns, hydra)]
+    attn = model_or_cfg.layers.self_attn
+    # A layer's kind is its FA-group count (the teacher's attention keeps every group FA).
+    if not isinstance(attn, HydraHeadAttention):
+        return cfg, [tuple(range(cfg.num_kv_heads))] * cfg.num_layers, [None] * cfg.num_layers
+    groups = [order[:f] for order, f in zip(model_or_cfg.group_order, model_or_cfg.layer_kinds)]
+    return cfg, groups, [attn.hybrid_cfg if attn.is_hybrid(f) else None for f in model_or_cfg.layer_kinds]
 
 
 def cache_bytes(

@@ -33,9 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hydrahead_jax.hybrid.attention import HydraHeadAttention
+from hydrahead_jax.hybrid.attention import HydraHeadAttention, group_columns
 from hydrahead_jax.models.attention import Attention
 from hydrahead_jax.models.layers import rms_normalize
+
+
+def _positions(input_ids: jax.Array) -> jax.Array:
+    b, t = input_ids.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -43,14 +48,14 @@ def _head_rms(graphdef, state, input_ids, granularity):
     teacher = nnx.merge(graphdef, state)
     inter: dict = {}
     teacher.hidden_states(input_ids, intermediates=inter)
-    b, t = input_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = _positions(input_ids)
     axes = (0, 1, 3) if granularity == "head" else (0, 1)
-    rms = []
-    for layer, x in zip(teacher.layers, inter["attn_inputs"]):
-        heads, _ = layer.self_attn.head_outputs(x, positions)  # [B,T,Hq,D], before o_proj
-        rms.append(jnp.sqrt(jnp.mean(jnp.square(heads.astype(jnp.float32)), axis=axes)))
-    return jnp.stack(rms)
+
+    def rms(block, kind, carry, x, slot):
+        heads, _ = block.self_attn.head_outputs(x, positions)  # [B,T,Hq,D], before o_proj
+        return carry, jnp.sqrt(jnp.mean(jnp.square(heads.astype(jnp.float32)), axis=axes))
+
+    return teacher.scan_layers(rms, None, inter["attn_inputs"])[1]
 
 
 def teacher_head_rms(teacher: nnx.Module, input_ids, granularity: str = "head") -> np.ndarray:
@@ -61,17 +66,25 @@ def teacher_head_rms(teacher: nnx.Module, input_ids, granularity: str = "head") 
 
 def _calibration_ids(teacher: nnx.Module, input_ids) -> jax.Array:
     """``input_ids`` as int32 [B,T], after checking that ``teacher`` is a plain softmax model."""
-    for i, layer in enumerate(teacher.layers):
-        attn = layer.self_attn
-        student = isinstance(attn, HydraHeadAttention) and attn.hybrid_cfg is not None
-        if not isinstance(attn, Attention) or student:
-            raise ValueError(
-                f"teacher layer {i} is not plain softmax attention; calibrate against the teacher model, not a student."
-            )
+    attn = teacher.layers.self_attn
+    student = isinstance(attn, HydraHeadAttention) and attn.hybrid_cfg is not None
+    identity = tuple(range(teacher.cfg.num_kv_heads))
+    if not isinstance(attn, Attention) or student or any(o != identity for o in teacher.group_order):
+        raise ValueError(
+            "the teacher is not plain softmax attention; calibrate against the teacher model, not a student."
+        )
     ids = jnp.asarray(np.asarray(input_ids, dtype=np.int32))
     if ids.ndim != 2:
         raise ValueError(f"calibration input_ids must be [batch, length], got shape {ids.shape}.")
     return ids
+
+
+def fused_heads(student: nnx.Module, layer: int) -> np.ndarray:
+    """The original query-head indices of the heads layer ``layer`` of ``student`` fuses, in the order of its
+    fusion slots (its stored order: FA groups first, ``hybrid.attention.group_order``)."""
+    attn, f = student.layers.self_attn, student.layer_kinds[layer]
+    stored = group_columns(student.group_order[layer], student.cfg.group_size, 1)
+    return stored[len(stored) - attn.fused_heads(f) :]
 
 
 def fit_scale_and_offset(n: jax.Array, o: jax.Array, granularity: str, bias: bool) -> tuple[jax.Array, jax.Array]:
@@ -94,64 +107,74 @@ def fit_scale_and_offset(n: jax.Array, o: jax.Array, granularity: str, bias: boo
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_state, input_ids):
-    """{layer: (γ, μ)} of every fused layer of the student: the fit of its fusion input to the teacher's heads."""
+    """(γ [L, slots(, D)], μ [L, slots, D]) of every layer of the student, in its fusion slots: the fit of its
+    fusion input to the teacher's heads on the teacher's own layer inputs (zeros for a layer without fusion).
+
+    The teacher's heads are computed with the student's own copies of the teacher's projections (its softmax
+    path over every group, ``Attention.head_outputs``): the teacher's heads in the student's stored order."""
     teacher = nnx.merge(teacher_graphdef, teacher_state)
     student = nnx.merge(student_graphdef, student_state)
     inter: dict = {}
     teacher.hidden_states(input_ids, intermediates=inter)
-    b, t = input_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    fits = {}
-    for i, (t_layer, s_layer, x) in enumerate(zip(teacher.layers, student.layers, inter["attn_inputs"])):
-        fusion = getattr(s_layer.self_attn, "fusion", None)
-        if fusion is None:
-            continue
-        target, _ = t_layer.self_attn.head_outputs(x, positions)  # [B,T,Hq,D], before o_proj
-        target = target[:, :, np.asarray(fusion.heads)]
-        n = rms_normalize(s_layer.self_attn.fusion_inputs(x, positions), fusion.eps)
-        d = n.shape[-1]
-        flat = (b * t, len(fusion.heads), d)
-        fits[i] = fit_scale_and_offset(n.reshape(flat), target.reshape(flat), fusion.granularity, fusion.mu is not None)
-    return fits
+    positions = _positions(input_ids)
+
+    def fit(block, kind, carry, x, slot):
+        attn = block.self_attn
+        used = attn.fused_heads(kind)
+        mu = jnp.zeros((attn.fusion.num_heads, student.cfg.head_dim), jnp.float32)
+        gamma = jnp.zeros(attn.fusion.gamma.shape, jnp.float32)
+        if not used:
+            return carry, (gamma, mu)
+        target, _ = Attention.head_outputs(attn, x, positions)  # [B,T,Hq,D], before o_proj
+        target = target[:, :, target.shape[2] - used :]
+        n = rms_normalize(attn.fusion_inputs(x, positions, kind), attn.fusion.eps)
+        flat = (-1, used, n.shape[-1])
+        g, m = fit_scale_and_offset(
+            n.reshape(flat), target.reshape(flat), attn.fusion.granularity, attn.fusion.mu is not None
+        )
+        return carry, (gamma.at[:used].set(g), mu.at[:used].set(m))
+
+    return student.scan_layers(fit, None, inter["attn_inputs"])[1]
 
 
 def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dict[int, np.ndarray]:
     """Set every fusion γ (and μ) of ``student`` from the teacher on ``input_ids`` [B,T], as the student's
     ``fusion_init`` says: the teacher's per-head output RMS ("rms"; μ stays 0) or the least-squares fit ("fit").
 
-    Returns {layer index: the γ written}. Layers without fusion are left alone.
+    Returns {layer index: the γ written, for the heads ``fused_heads(student, layer)``}. Layers without fusion
+    are left alone.
     """
-    if len(student.layers) != len(teacher.layers):
+    if student.cfg.num_layers != teacher.cfg.num_layers:
         raise ValueError(
-            f"student has {len(student.layers)} layers, teacher {len(teacher.layers)}: not the "
+            f"student has {student.cfg.num_layers} layers, teacher {teacher.cfg.num_layers}: not the "
             "teacher this student was built from."
         )
-    fusions = {
-        i: layer.self_attn.fusion
-        for i, layer in enumerate(student.layers)
-        if getattr(layer.self_attn, "fusion", None) is not None
-    }
-    if not fusions:
+    attn = student.layers.self_attn
+    fusion = getattr(attn, "fusion", None)
+    used = [0 if fusion is None else attn.fused_heads(f) for f in student.layer_kinds]
+    if not any(used):
         return {}
-    hybrid_cfg = student.layers[next(iter(fusions))].self_attn.hybrid_cfg
-    if hybrid_cfg.fusion_init == "fit":
-        ids = _calibration_ids(teacher, input_ids)
+    ids = _calibration_ids(teacher, input_ids)
+    if attn.hybrid_cfg.fusion_init == "fit":
         teacher_graphdef, teacher_state = nnx.split(teacher)
         student_graphdef, student_state = nnx.split(student)
-        fits = _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_state, ids)
-        written = {}
-        for i, fusion in fusions.items():
-            gamma, mu = (np.asarray(a) for a in fits[i])
-            fusion.gamma.set_value(jnp.asarray(gamma, fusion.gamma.dtype))
-            if fusion.mu is not None:
-                fusion.mu.set_value(jnp.asarray(mu, fusion.mu.dtype))
-            written[i] = gamma
-        return written
-    granularity = next(iter(fusions.values())).granularity
-    rms = teacher_head_rms(teacher, input_ids, granularity)
-    written = {}
-    for i, fusion in fusions.items():
-        gamma = rms[i][np.asarray(fusion.heads)]
-        fusion.gamma.set_value(jnp.asarray(gamma, fusion.gamma.dtype))
-        written[i] = gamma
-    return written
+        gammas, mus = (
+            np.asarray(a) for a in _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_state, ids)
+        )
+    else:
+        rms = teacher_head_rms(teacher, ids, fusion.granularity)
+        gammas = np.zeros(fusion.gamma.shape, np.float32)
+        for i, n in enumerate(used):
+            if n:
+                gammas[i, :n] = rms[i][fused_heads(student, i)]
+        mus = None
+    keep = np.asarray([n == 0 for n in used])  # layers without fusion keep their (unused) values
+
+    def write(var, values):
+        old = np.asarray(var[...], np.float32)
+        var.set_value(jnp.asarray(np.where(keep.reshape((-1,) + (1,) * (old.ndim - 1)), old, values), var.dtype))
+
+    write(fusion.gamma, gammas)
+    if mus is not None and fusion.mu is not None:
+        write(fusion.mu, mus)
+    return {i: gammas[i, :n] for i, n in enumerate(used) if n}

@@ -297,6 +297,79 @@ def _output_gate_bwd(eps, dtype, precision, block, res, dy):
 _output_gate.defvjp(_output_gate_fwd, _output_gate_bwd)
 
 
+def map_arrays(f, state: nnx.State) -> nnx.State:
+    """``state`` with each Variable's value replaced by ``f(path, value)``."""
+    return nnx.map_state(
+        lambda path, v: v.replace(f(path, v[...])) if isinstance(v, nnx.Variable) else f(path, v), state
+    )
+
+
+# Where each GDN parameter keeps its heads: (path, axis, segments), a segment ("heads" | "kv", width) being a run of
+# width entries per LA query head or per LA KV head, in head order. A model's layers share one parameter shape
+# (they are stacked, ``Transformer.layers``): each holds its GDN heads at the largest LA head count of the model,
+# the heads of its own first LA KV groups in front (``take_la_groups``) and the slots it does not use zero.
+def _head_layout(hd: int) -> dict[tuple[str, ...], tuple[int, tuple[tuple[str, int], ...]]]:
+    return {
+        ("a_proj", "kernel"): (1, (("heads", 1),)),
+        ("b_proj", "kernel"): (1, (("heads", 1),)),
+        ("A_log",): (0, (("heads", 1),)),
+        ("dt_bias",): (0, (("heads", 1),)),
+        ("conv_weight",): (1, (("heads", hd), ("kv", hd), ("kv", hd))),  # q channels, then k, then v
+        ("z_proj", "kernel"): (1, (("heads", hd),)),
+        ("z_proj", "bias"): (0, (("heads", hd),)),
+        ("o_norm_weight",): (0, (("heads", 1),)),
+    }
+
+
+def _segments(path, cfg: ModelConfig, num_kv: int):
+    """(axis, segments) of GDN parameter ``path`` (``_head_layout``)."""
+    layout = _head_layout(cfg.head_dim)
+    key = tuple(str(p) for p in path)
+    if key not in layout:
+        raise ValueError(
+            f"GDN parameter {'/'.join(key)} has no entry in hybrid/gdn.py _head_layout: say which axis holds its heads."
+        )
+    return layout[key]
+
+
+def take_la_groups(state: nnx.State, cfg: ModelConfig, num_kv_total: int, num_kv: int) -> nnx.State:
+    """The state of ``GatedDeltaNetHeads`` for the first ``num_kv`` LA KV groups, out of one laid out for
+    ``num_kv_total`` (static slices of each parameter's head axis, ``_head_layout``)."""
+    g = cfg.group_size
+
+    def take(path, a):
+        axis, segments = _segments(path, cfg, num_kv)
+        parts, start = [], 0
+        for unit, width in segments:
+            per = width * (g if unit == "heads" else 1)
+            parts.append(jax.lax.slice_in_dim(a, start, start + num_kv * per, axis=axis))
+            start += num_kv_total * per
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+
+    return map_arrays(take, state)
+
+
+def place_la_array(path, a, cfg: ModelConfig, num_kv: int, num_kv_total: int):
+    """Parameter ``path`` of GDN heads for ``num_kv`` LA KV groups, laid out for ``num_kv_total`` (the other
+    groups' slots zero): the inverse of ``take_la_groups`` for one array (numpy or jax)."""
+    xp = jnp if isinstance(a, jax.Array) else np
+    axis, segments = _segments(path, cfg, num_kv)
+    parts, start = [], 0
+    for unit, width in segments:
+        per = width * (cfg.group_size if unit == "heads" else 1)
+        part = xp.take(a, np.arange(start, start + num_kv * per), axis=axis)
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, (num_kv_total - num_kv) * per)
+        parts.append(xp.pad(part, pad))
+        start += num_kv * per
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=axis)
+
+
+def place_la_groups(state: nnx.State, cfg: ModelConfig, num_kv: int, num_kv_total: int) -> nnx.State:
+    """``place_la_array`` over a ``GatedDeltaNetHeads`` state."""
+    return map_arrays(lambda path, a: place_la_array(path, a, cfg, num_kv, num_kv_total), state)
+
+
 class GatedDeltaNetHeads(nnx.Module):
     """The GDN heads of one layer's LA groups; all its parameters live under this submodule (path ``gdn``)."""
 

@@ -245,11 +245,14 @@ class Attention(nnx.Module):
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
+        kind: int | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """Per-head outputs o [B,T,Hq,D] before o_proj (and the new cache), for x [B,T,d] at ``positions``.
 
         With a ``probe`` (no cache) the probe runs the attention (``HeadProbe.run``) and may edit the outputs.
         ``segment_ids`` [B,T]: packed documents (see ``check_segments``); ``positions`` are then per document.
+        ``kind``: the layer's static kind in a stack of layers (``Transformer.layer_kinds``, its FA-group count);
+        the teacher's attention runs every group as softmax and ignores it.
         """
         check_segments(segment_ids, cache, probe)
         if probe is not None and x.shape[1] > 1 and sequence_axes():
@@ -271,12 +274,13 @@ class Attention(nnx.Module):
         cache_index: jax.Array | None = None,
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
+        kind: int | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        heads, cache = self.head_outputs(x, positions, cache, cache_index, probe, segment_ids)
+        heads, cache = self.head_outputs(x, positions, cache, cache_index, probe, segment_ids, kind)
         return self.o_proj(heads.reshape(b, t, -1)), cache
 
-    def init_cache(self, batch: int, max_len: int, dtype) -> LayerCache:
+    def init_cache(self, batch: int, max_len: int, dtype, kind: int | None = None) -> LayerCache:
         """KV cache: k, v [B, max_len, Hkv, D]."""
         shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -5,7 +5,11 @@
     h_{l+1} = h_{l+½} + MLP_l(RMSNorm(h_{l+½}))
     logits = RMSNorm(h_L) · Wᵀ_out                 (W_out = the embedding when tied)
 
-Layers are a Python list, not a scan: a HydraHead student gives each layer its own static set of FA groups.
+The layers are one stacked module (``Transformer.layers``: every parameter has a leading layer axis, logical name
+``layers``) run by one ``jax.lax.scan``, so compile time and HLO size do not grow with depth. Layers may differ in
+a static *kind* (``Transformer.layer_kinds``: a HydraHead student's FA-group count, ``hydrahead_jax.hybrid``):
+the scan body is a ``lax.switch`` over the distinct kinds, each compiled once; the teacher has one kind. Every
+walk over layers goes through ``Transformer.scan_layers``.
 
 Context parallelism (a mesh whose ``sequence`` axes split the tokens of a row over n devices): the layers run on
 the row in the load-balanced sharded token order (``hydrahead_jax.context_parallel.layout``, ``MODEL_LAYOUT``);
@@ -122,16 +126,18 @@ class Block(nnx.Module):
         intermediates: dict | None = None,
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
+        kind: int | None = None,
     ):
         """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``;
-        ``segment_ids``: see ``Transformer.hidden_states``."""
+        ``segment_ids``: see ``Transformer.hidden_states``; ``kind``: the layer's static kind (see
+        ``Transformer.layer_kinds``). ``intermediates`` (a dict) receives this layer's "attn_inputs" and
+        "attn_outputs" [B,T,d]."""
         attn_in = self.input_layernorm(h)
         attn_out, cache = call_attention(
-            self.self_attn, attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids
+            self.self_attn, attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids, kind=kind
         )
         if intermediates is not None:
-            intermediates.setdefault("attn_inputs", []).append(attn_in)
-            intermediates.setdefault("attn_outputs", []).append(attn_out)
+            intermediates.update(attn_inputs=attn_in, attn_outputs=attn_out)
         h = h + attn_out
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, cache
@@ -150,8 +156,44 @@ def remat_call(module: nnx.Module, *args, **kwargs):
     return jax.checkpoint(run)(state, args, kwargs)
 
 
+def stack_modules(modules: list[nnx.Module], axis_name: str = "layers") -> nnx.Module:
+    """One module of the structure shared by ``modules`` whose every Variable is the stack of theirs along a new
+    leading axis (logical name ``axis_name`` prepended to its ``out_sharding``). The modules must have identical
+    graph definitions (same classes, static attributes and shapes)."""
+    splits = [nnx.split(m) for m in modules]
+    graphdef = splits[0][0]
+    for i, (gdef, _) in enumerate(splits):
+        if gdef != graphdef:
+            raise ValueError(
+                f"layer {i} differs in structure (modules, static attributes or shapes) from layer 0; the layers of "
+                "one model must share one structure to run as a scanned stack."
+            )
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits]))
+    for _, var in nnx.iter_graph(stacked):
+        if isinstance(var, nnx.Variable):
+            axes = var.get_metadata().get("out_sharding")
+            if axes is not None:
+                var.set_metadata(out_sharding=(axis_name, *axes))
+    return stacked
+
+
+def layer_slots(kinds: tuple[int, ...]) -> tuple[int, ...]:
+    """For each layer, its index among the layers of its kind (where its cache sits in that kind's stack)."""
+    seen: dict[int, int] = {}
+    slots = []
+    for k in kinds:
+        slots.append(seen.get(k, 0))
+        seen[k] = slots[-1] + 1
+    return tuple(slots)
+
+
 class Transformer(nnx.Module):
-    """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA)."""
+    """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA);
+    every layer's attention must have the same structure (they are stacked into ``layers``), and
+    ``layer_kinds[l]`` is the static kind layer l runs with (``Block(..., kind=...)``): its number of softmax
+    (FA) KV groups, all of them (the default) in the teacher.
+    ``group_order[l]`` (default 0 … Hkv−1): the original KV group each stored group of layer l's attention
+    parameters is (a HydraHead student stores its FA groups first, ``hybrid.attention.permute_groups``)."""
 
     def __init__(
         self,
@@ -159,6 +201,8 @@ class Transformer(nnx.Module):
         *,
         rngs: nnx.Rngs,
         attention_factory: AttentionFactory | None = None,
+        layer_kinds: tuple[int, ...] | None = None,
+        group_order: tuple[tuple[int, ...], ...] | None = None,
         attention_impl: str = "auto",
         context_parallel: str = "allgather",
     ):
@@ -167,6 +211,15 @@ class Transformer(nnx.Module):
             attention_factory = lambda i, r: Attention(  # noqa: E731
                 cfg, rngs=r, attention_impl=attention_impl, context_parallel=context_parallel
             )
+        self.layer_kinds = tuple(int(k) for k in (layer_kinds or (cfg.num_kv_heads,) * cfg.num_layers))
+        if len(self.layer_kinds) != cfg.num_layers or min(self.layer_kinds) < 0:
+            raise ValueError(
+                f"layer_kinds={layer_kinds} must give a kind >= 0 for each of the {cfg.num_layers} layers."
+            )
+        identity = tuple(range(cfg.num_kv_heads))
+        self.group_order = tuple(tuple(int(g) for g in o) for o in (group_order or (identity,) * cfg.num_layers))
+        if len(self.group_order) != cfg.num_layers or any(sorted(o) != list(identity) for o in self.group_order):
+            raise ValueError(f"group_order must give a permutation of the {cfg.num_kv_heads} KV groups per layer.")
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -175,7 +228,8 @@ class Transformer(nnx.Module):
             embedding_init=param_init(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(cfg, attention_factory(i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
+        # Built one by one (each layer draws its own initial values in order), then stacked.
+        self.layers = stack_modules([Block(cfg, attention_factory(i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(
@@ -187,6 +241,47 @@ class Transformer(nnx.Module):
                 kernel_init=param_init(nnx.initializers.normal(0.02), ("embed", "vocab")),
                 rngs=rngs,
             )
+
+    @property
+    def fa_groups_per_layer(self) -> list[int]:
+        """Each layer's number of softmax-attention (FA) KV groups."""
+        return list(self.layer_kinds)
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        """The distinct layer kinds, sorted (the branches of the scan body)."""
+        return tuple(sorted(set(self.layer_kinds)))
+
+    def layer(self, i: int) -> Block:
+        """Layer ``i`` as a Block of its own (a copy of its slice of the stack: for inspection, not for updates)."""
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+    def scan_layers(self, fn: Callable, carry, xs=None, *, remat: bool = False):
+        """(carry, ys) of ``carry, y_l = fn(block_l, kind_l, carry, xs_l, slot_l)`` over the layers l = 0 … L−1, as
+        one ``lax.scan`` whose body switches over the distinct kinds (``kind_l`` is static inside ``fn``: each
+        kind is traced and compiled once). ``slot_l``: layer l's index among the layers of its kind (traced).
+        xs: a pytree with a leading layer axis, or None. ``remat``: the body is rematerialised in the backward pass
+        (``jax.checkpoint``), so only each layer's carry and xs are kept between forward and backward."""
+        graphdef, state = nnx.split(self.layers)
+        kinds = self.kinds
+        branch_of = {k: j for j, k in enumerate(kinds)}
+
+        def body(carry, step):
+            layer_state, branch, slot, x = step
+            branches = [
+                functools.partial(lambda kind, c, s, xl, ls: fn(nnx.merge(graphdef, ls), kind, c, xl, s), kind)
+                for kind in kinds
+            ]
+            if len(branches) == 1:
+                return branches[0](carry, slot, x, layer_state)
+            return jax.lax.switch(branch, branches, carry, slot, x, layer_state)
+
+        if remat:
+            body = jax.checkpoint(body)
+        branch = jnp.asarray([branch_of[k] for k in self.layer_kinds], jnp.int32)
+        slots = jnp.asarray(layer_slots(self.layer_kinds), jnp.int32)
+        return jax.lax.scan(body, carry, (state, branch, slots, xs))
 
     def hidden_states(
         self,
@@ -206,10 +301,12 @@ class Transformer(nnx.Module):
         the document, the linear-attention state and conv restart at its first token, and RoPE uses the
         per-document positions, so a document's hidden states equal those of running it alone.
 
-        With a cache ({"index": int32 scalar, "layers": [per-layer dicts]}) the tokens are placed at positions
-        index … index+T−1; prefill (T > 1) must start from an empty cache (index 0), decoding feeds T = 1.
-        ``remat`` (training): each layer is rematerialised in the backward pass (`remat_call`), so only the layer
-        inputs [B,T,d] are kept between forward and backward instead of every layer's intermediates.
+        With a cache (``init_cache``: {"index": int32 scalar, "layers": one dict of layer-stacked arrays per layer
+        kind}) the tokens are placed at positions index … index+T−1; prefill (T > 1) must start from an empty
+        cache (index 0), decoding feeds T = 1. ``remat`` (training): each layer is rematerialised in the backward
+        pass (the scan body under ``jax.checkpoint``), so only the layer inputs [B,T,d] are kept between forward
+        and backward instead of every layer's intermediates. ``intermediates`` (a dict) receives "attn_inputs" and
+        "attn_outputs", each [L,B,T,d]: every layer's attention input (after its norm) and output.
 
         Context parallelism (T > 1 under a mesh whose sequence axes have n = ∏ sizes > 1, ``sequence_shards``):
         the row is end-padded to T' = ⌈T / 2n⌉·2n tokens, then the int inputs (ids, positions, segment ids) are
@@ -253,22 +350,36 @@ class Transformer(nnx.Module):
             input_ids, positions = to_model_order(end_pad(input_ids), n), to_model_order(end_pad(positions), n)
             segment_ids = None if segment_ids is None else to_model_order(end_pad(segment_ids), n)
         h = constrain_tokens(self.embed_tokens(input_ids)) if n > 1 else self.embed_tokens(input_ids)
-        recorded = {k: len(v) for k, v in (intermediates or {}).items()}
-        new_layers = []
-        for i, layer in enumerate(self.layers):
-            if remat:
-                h, _ = remat_call(layer, h, positions, segment_ids=segment_ids)
-                continue
-            layer_cache = None if cache is None else cache["layers"][i]
-            h, layer_cache = layer(h, positions, layer_cache, cache_index, intermediates, segment_ids=segment_ids)
-            new_layers.append(layer_cache)
+        record = intermediates is not None
+        kinds = self.kinds
+
+        def run_layer(block, kind, carry, _, slot):
+            h, layers_cache = carry
+            seen: dict | None = {} if record else None
+            if layers_cache is None:
+                h, _ = block(h, positions, intermediates=seen, segment_ids=segment_ids, kind=kind)
+            else:
+                j = kinds.index(kind)
+                mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), layers_cache[j])
+                h, mine = block(h, positions, mine, cache_index, seen, segment_ids=segment_ids, kind=kind)
+                written = jax.tree.map(
+                    lambda a, new: jax.lax.dynamic_update_index_in_dim(a, new.astype(a.dtype), slot, 0),
+                    layers_cache[j],
+                    mine,
+                )
+                layers_cache = (*layers_cache[:j], written, *layers_cache[j + 1 :])
+            return (h, layers_cache), (seen["attn_inputs"], seen["attn_outputs"]) if record else None
+
+        layers_cache = None if cache is None else tuple(cache["layers"])
+        (h, layers_cache), recorded = self.scan_layers(run_layer, (h, layers_cache), remat=remat)
         h = self.norm(h)
         if n > 1:
-            natural = lambda x: from_model_order(x, n)[:, :t]  # noqa: E731
+            natural = lambda x, axis=1: jax.lax.slice_in_dim(from_model_order(x, n, axis), 0, t, axis=axis)  # noqa: E731
             h = natural(h)
-            for key, values in (intermediates or {}).items():
-                values[recorded.get(key, 0) :] = [natural(x) for x in values[recorded.get(key, 0) :]]
-        new_cache = None if cache is None else {"index": cache_index + t, "layers": new_layers}
+            recorded = None if recorded is None else tuple(natural(x, 2) for x in recorded)
+        if record:
+            intermediates.update(attn_inputs=recorded[0], attn_outputs=recorded[1])
+        new_cache = None if cache is None else {"index": cache_index + t, "layers": layers_cache}
         return h, new_cache
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
@@ -286,30 +397,38 @@ class Transformer(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict[str, Any]:
+        """{"index": 0, "layers": (per kind in ``kinds``: the attention's cache of that kind stacked over the
+        layers of that kind, leading axis L_kind)}: layers of different kinds keep caches of different sizes
+        (a student's KV cache holds only its FA groups), so each kind has its own stack."""
         dtype = self.cfg.jnp_dtype if dtype is None else dtype
-        return {
-            "index": jnp.zeros((), jnp.int32),
-            "layers": [layer.self_attn.init_cache(batch, max_len, dtype) for layer in self.layers],
-        }
+        attn = self.layer(0).self_attn
+        stacks = []
+        for kind in self.kinds:
+            count = self.layer_kinds.count(kind)
+            one = attn.init_cache(batch, max_len, dtype, kind=kind)
+            stacks.append(jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), one))  # noqa: B023
+        return {"index": jnp.zeros((), jnp.int32), "layers": tuple(stacks)}
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Weights in Hugging Face naming and layout (torch Linear weights are [out, in]; ours are [in, out]).
 
 
-def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool]]:
-    """HF tensor name → (our Variable, whether the HF tensor is transposed relative to ours)."""
+def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool, int | None]]:
+    """HF tensor name → (our Variable, whether the HF tensor is transposed relative to ours, the layer index along
+    the Variable's leading axis for a layer tensor, else None)."""
     table = {}
     for name, tensor in hf_tensors(model.cfg).items():
         node = model
         for key in tensor.path:
-            node = node[key] if isinstance(key, int) else getattr(node, key)
-        table[name] = (node, tensor.transposed)
+            node = getattr(node, key)
+        table[name] = (node, tensor.transposed, tensor.layer)
     return table
 
 
 def load_hf_weights(model: Transformer, tensors: dict[str, np.ndarray], *, source: str = "checkpoint") -> None:
-    """Copy HF-named tensors into ``model`` in place; every expected tensor must be present with the right shape."""
+    """Copy HF-named tensors into ``model`` (a teacher) in place; every expected tensor must be present with the
+    right shape. Layer tensors fill their slice of the stacked parameters."""
     table = hf_weight_map(model)
     ignorable = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
     missing = sorted(set(table) - set(tensors))
@@ -325,14 +444,22 @@ def load_hf_weights(model: Transformer, tensors: dict[str, np.ndarray], *, sourc
             f"{source}: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all); the "
             "checkpoint does not match the config (another architecture or layer count?)."
         )
-    for name, (var, transposed) in table.items():
+    values: dict[int, tuple[nnx.Variable, np.ndarray]] = {}  # id(var) → (var, its new value, assembled in numpy)
+    for name, (var, transposed, layer) in table.items():
         value = np.asarray(tensors[name])
         if transposed:
             value = value.T
-        if value.shape != var.shape:
-            expected = var.shape[::-1] if transposed else var.shape
+        shape = var.shape if layer is None else var.shape[1:]
+        if value.shape != shape:
+            expected = shape[::-1] if transposed else shape
             raise ValueError(
                 f"{source}: tensor {name} has shape {tuple(np.asarray(tensors[name]).shape)}, "
                 f"expected {tuple(expected)} from the model config."
             )
+        if layer is None:
+            values[id(var)] = (var, value)
+            continue
+        stacked = values.setdefault(id(var), (var, np.zeros(var.shape, value.dtype)))[1]
+        stacked[layer] = value
+    for var, value in values.values():
         var.set_value(jnp.asarray(value, dtype=var.dtype))

@@ -77,16 +77,15 @@ class FunctionalTeacher:
 
 
 def functional_teacher(model) -> FunctionalTeacher:
-    """Stack the decoder's layer parameters; every layer must have the same structure (a plain teacher)."""
-    splits = [nnx.split(layer) for layer in model.layers]
-    layer_def = splits[0][0]
-    for i, (gdef, _) in enumerate(splits):
-        if gdef != layer_def:
-            raise ValueError(
-                f"layer {i} differs in structure from layer 0: head selection probes a plain teacher "
-                "(all layers softmax attention), not a hybrid student."
-            )
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits])
+    """The decoder's layer stack as a graphdef and layer-stacked state; the model must be a plain teacher."""
+    attn = model.layers.self_attn
+    identity = tuple(range(model.cfg.num_kv_heads))
+    if getattr(attn, "hybrid_cfg", None) is not None or any(o != identity for o in model.group_order):
+        raise ValueError(
+            "head selection probes a plain teacher (all layers softmax attention, KV groups in their original "
+            "order), not a hybrid student."
+        )
+    layer_def, layers = nnx.split(model.layers)
     model_def, model_state = nnx.split(model)
     cfg = model.cfg
     spec = TeacherSpec(layer_def, model_def, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

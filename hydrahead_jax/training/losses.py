@@ -48,26 +48,29 @@ def masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def align_loss(
-    student_attention_fns,
-    teacher_inputs,
-    teacher_outputs,
+    run_layers,
+    teacher_inputs: jax.Array,
+    teacher_outputs: jax.Array,
     positions: jax.Array,
     mask: jax.Array,
     segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Σ_l masked-mean MSE of student attention l on the teacher's input l against the teacher's output l.
 
-    ``student_attention_fns[l](x, positions, segment_ids=...) -> (out, cache)`` is the student's attention block
-    of layer l (``segment_ids``: packed documents, or None);
-    ``teacher_inputs`` / ``teacher_outputs`` are per-layer [B,T,d] (already stop-gradient'ed by the caller).
+    ``run_layers(fn, xs)`` returns [fn(attention_l, xs_l) for every layer l] stacked (one scan over the student's
+    layers: ``Transformer.scan_layers``), ``attention_l(x, positions, segment_ids=...) -> (out, cache)`` being the
+    student's attention block of layer l (``segment_ids``: packed documents, or None);
+    ``teacher_inputs`` / ``teacher_outputs`` are [L,B,T,d] (already stop-gradient'ed by the caller).
     Returns (total, per-layer losses [L]).
     """
-    per_layer = []
-    for attn, x, y in zip(student_attention_fns, teacher_inputs, teacher_outputs, strict=True):
-        out, _ = attn(x, positions, segment_ids=segment_ids)
+
+    def layer_loss(attention, xy):
+        x, y = xy
+        out, _ = attention(x, positions, segment_ids=segment_ids)
         sq = jnp.mean(jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32)), axis=-1)  # [B,T]
-        per_layer.append(masked_mean(sq, mask))
-    per_layer = jnp.stack(per_layer)
+        return masked_mean(sq, mask)
+
+    per_layer = run_layers(layer_loss, (teacher_inputs, teacher_outputs))
     return jnp.sum(per_layer), per_layer
 
 

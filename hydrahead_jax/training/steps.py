@@ -102,10 +102,16 @@ def compute_loss(
         # Under context parallelism the student's attention runs in the model's sharded token order (the teacher
         # returned natural order); the masked mean over tokens does not depend on their order.
         n = sequence_shards(ids.shape[1])
-        order = lambda x: None if x is None else to_model_order(jax.lax.stop_gradient(x), n)  # noqa: E731
-        t_in, t_out = [order(x) for x in inter["attn_inputs"]], [order(y) for y in inter["attn_outputs"]]
-        attns = [functools.partial(call_attention, layer.self_attn, remat=settings.remat) for layer in student.layers]
-        total, per_layer = losses.align_loss(attns, t_in, t_out, order(positions), order(mask), order(segment_ids))
+        order = lambda x, axis=1: None if x is None else to_model_order(jax.lax.stop_gradient(x), n, axis)  # noqa: E731
+        t_in, t_out = order(inter["attn_inputs"], 2), order(inter["attn_outputs"], 2)  # [L,B,T,d]
+
+        def run_layers(fn, xs):
+            def layer(block, kind, carry, x, slot):
+                return carry, fn(functools.partial(call_attention, block.self_attn, kind=kind), x)
+
+            return student.scan_layers(layer, None, xs, remat=settings.remat)[1]
+
+        total, per_layer = losses.align_loss(run_layers, t_in, t_out, order(positions), order(mask), order(segment_ids))
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
     h_s, _ = student.hidden_states(ids, positions=positions, segment_ids=segment_ids, remat=settings.remat)
