@@ -112,8 +112,9 @@ def save_hf_folder(model: Transformer, tokenizer, folder: Path) -> Path:
     cfg = model.cfg
     folder.mkdir(parents=True)
     tensors = {
-        name: np.ascontiguousarray(np.asarray(var[...]).T if transposed else np.asarray(var[...]))
-        for name, (var, transposed) in hf_weight_map(model).items()
+        name: np.ascontiguousarray(value.T if transposed else value)
+        for name, (var, transposed, layer) in hf_weight_map(model).items()
+        for value in [np.asarray(var[...]) if layer is None else np.asarray(var[...][layer])]
     }
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(

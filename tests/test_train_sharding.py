@@ -19,13 +19,14 @@ def test_mesh_2x2x2_matches_one_device(tmp_path):
     np.testing.assert_allclose(losses_cube, losses_one, rtol=2e-4, atol=1e-6)
 
     # Parameters sit where the rules say: embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor, norms replicated.
-    layer = final["layers"][0]
+    # The layers are one stack: their leading (layer) axis is never split.
+    layer = final["layers"]
     expect = {
         ("embed_tokens", "embedding"): (final["embed_tokens"]["embedding"], P("tensor", "fsdp")),
-        ("mlp", "gate_proj"): (layer["mlp"]["gate_proj"]["kernel"], P("fsdp", "tensor")),
-        ("mlp", "down_proj"): (layer["mlp"]["down_proj"]["kernel"], P("tensor", "fsdp")),
-        ("attn", "q_proj"): (layer["self_attn"]["q_proj"]["kernel"], P("fsdp", "tensor")),
-        ("attn", "k_proj"): (layer["self_attn"]["k_proj"]["kernel"], P("fsdp", "tensor")),
+        ("mlp", "gate_proj"): (layer["mlp"]["gate_proj"]["kernel"], P(None, "fsdp", "tensor")),
+        ("mlp", "down_proj"): (layer["mlp"]["down_proj"]["kernel"], P(None, "tensor", "fsdp")),
+        ("attn", "q_proj"): (layer["self_attn"]["q_proj"]["kernel"], P(None, "fsdp", "tensor")),
+        ("attn", "k_proj"): (layer["self_attn"]["k_proj"]["kernel"], P(None, "fsdp", "tensor")),
         ("norm",): (final["norm"]["weight"], P(None)),
     }
     for name, (array, spec) in expect.items():

@@ -292,7 +292,9 @@ class HydraHeadAttention(Attention):
         if kind:
             shape = (batch, max_len, kind, self.cfg.head_dim)
             cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-        cache.update(self.gdn_heads(kind).init_cache(batch, dtype))
+        n = self.cfg.num_kv_heads - kind  # the cache depends on shapes only: an abstract module of n groups
+        heads = nnx.eval_shape(lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(n)), rngs=nnx.Rngs(0)))
+        cache.update(heads.init_cache(batch, dtype))
         return cache
 
 

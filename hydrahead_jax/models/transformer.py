@@ -253,9 +253,11 @@ class Transformer(nnx.Module):
         return tuple(sorted(set(self.layer_kinds)))
 
     def layer(self, i: int) -> Block:
-        """Layer ``i`` as a Block of its own (a copy of its slice of the stack: for inspection, not for updates)."""
+        """Layer ``i`` as a Block of its own (a copy of its slice of the stack: for inspection, not for updates;
+        shapes only for an abstract model)."""
         graphdef, state = nnx.split(self.layers)
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        take = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]  # noqa: E731
+        return nnx.merge(graphdef, jax.tree.map(take, state))
 
     def scan_layers(self, fn: Callable, carry, xs=None, *, remat: bool = False):
         """(carry, ys) of ``carry, y_l = fn(block_l, kind_l, carry, xs_l, slot_l)`` over the layers l = 0 … L−1, as
