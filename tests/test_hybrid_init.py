@@ -131,8 +131,9 @@ def test_zero_mu_reproduces_the_model_without_mu():
     head_map = HeadMap.from_fa_groups(CFG, [[0], [], [1]], method="test")
     today = build_student(teacher, head_map, HybridConfig(fusion=fusion), calibration_ids=ids)
     with_mu = build_student(teacher, head_map, HybridConfig(fusion=fusion, fusion_bias=True), calibration_ids=ids)
-    mus = [p for p, _ in nnx.to_flat_state(nnx.state(with_mu, new_param_filter)) if p[-1] == "mu"]
-    assert len(mus) == 3  # every layer has an LA group; μ is a new (stage-1 trained) parameter
+    mus = [v for p, v in nnx.to_flat_state(nnx.state(with_mu, new_param_filter)) if p[-1] == "mu"]
+    # μ is a new (stage-1 trained) parameter, stacked over the 3 layers (each has an LA group)
+    assert len(mus) == 1 and mus[0].shape[0] == 3
     np.testing.assert_array_equal(forward(with_mu, ids), forward(today, ids))
     grads_today = dict(nnx.to_flat_state(_loss_grads(today, jnp.asarray(ids))))
     for path, g in nnx.to_flat_state(_loss_grads(with_mu, jnp.asarray(ids))):
