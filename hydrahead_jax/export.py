@@ -174,11 +174,24 @@ def load_hydrahead(path: str | Path, *, device=None):
     graphdef, abs_state = nnx.split(abstract)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), nnx.as_pure(abs_state))
+    from hydrahead_jax.training.checkpoint import (
+        CheckpointMismatchError,
+        DamagedCheckpointError,
+        check_matches,
+        restore_step,
+        stored_metadata,
+    )
+
+    def check():  # the arrays of params/ against the model its config files describe, before any is read
+        check_matches({"params": stored_metadata(path / "params")}, {"params": target}, where=f"{path}/params")
+
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            state = ckptr.restore(path / "params", target)
-    except Exception as err:  # noqa: BLE001 — Orbax/TensorStore raise many types for a damaged checkpoint
-        raise DamagedExportError(path, f"params/ does not restore ({_short(err)})") from None
+            # Damage or a mismatch is the export's (its files disagree); a read that keeps failing raises
+            # CheckpointReadError, anything else propagates: neither says the export is damaged.
+            state = restore_step(path / "params", lambda: ckptr.restore(path / "params", target), check=check)
+    except (DamagedCheckpointError, CheckpointMismatchError) as err:
+        raise DamagedExportError(path, f"params/ does not restore ({err})") from None
     model = nnx.merge(graphdef, state)
     return model, _load_tokenizer(path)
 

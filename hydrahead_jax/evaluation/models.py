@@ -144,15 +144,12 @@ def load_model(spec: str) -> EvalModel:
             "folder with config.json and *.safetensors, or a .gguf file."
         )
     from hydrahead_jax.export import DamagedExportError, load_hydrahead
+    from hydrahead_jax.training.checkpoint import CheckpointReadError
 
     try:
         model, tok = load_hydrahead(str(path))
-    except DamagedExportError as err:
+    except (DamagedExportError, CheckpointReadError) as err:  # anything else is a bug: it propagates as it is
         raise ModelSpecError(f"--model {spec!r}: {err}") from None
-    except Exception as err:  # any failure here means the folder is not a usable export
-        raise ModelSpecError(
-            f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: {err})."
-        ) from err
     if tok is None:
         raise ModelSpecError(
             f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "

@@ -59,6 +59,20 @@ def stage_range(only_stage: str | None, until_stage: str | None) -> list[str]:
     return list(STAGE_NAMES[: STAGE_NAMES.index(until_stage) + 1]) if until_stage else list(STAGE_NAMES)
 
 
+def check_restart_stage(restart_stage: str | None, stages: list[str]) -> None:
+    """ConfigError unless ``restart_stage`` (--restart_stage) is None or a training stage among ``stages``."""
+    if restart_stage is None:
+        return
+    trained = [s.name for s in STAGES]
+    if restart_stage not in trained:
+        raise ConfigError(f"--restart_stage={restart_stage!r}; choose one of the training stages {trained}.")
+    if restart_stage not in stages:
+        raise ConfigError(
+            f"--restart_stage={restart_stage} is not among the stages this run runs ({stages}); drop "
+            f"--only_stage/--until_stage or include {restart_stage} in them."
+        )
+
+
 # ------------------------------------------------------------------------------------------------ models
 def load_teacher(teacher_cfg: TeacherConfig):
     """(teacher Transformer, tokenizer or None, ModelConfig) from config.teacher."""
@@ -192,8 +206,13 @@ def run_pipeline(
     only_stage: str | None = None,
     until_stage: str | None = None,
     force_new: bool = False,
+    restart_stage: str | None = None,
 ) -> Path | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
+
+    ``restart_stage`` (a training stage's name) moves that stage's checkpoints aside (``<dir>.restarted-<time>``)
+    and trains it from step 0; the finished stages after it rerun (their input changed). It is the consent to
+    start over a stage whose checkpoints do not restore for another reason than damage (see checkpoint.py).
 
     The workdir is locked for the whole call (``WorkdirLock``: a second run on it is refused at once). Every
     check runs before any work: the RunConfig validated itself at the edge; here the stage range, the mesh
@@ -201,16 +220,19 @@ def run_pipeline(
     against it, and the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
+    check_restart_stage(restart_stage, stages)
     lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)  # one process locks for a multi-host run
     try:
         if workdir.exists():
             lock.acquire()  # a workdir in use is refused at once, before the teacher loads
-        return _run_locked(run, workdir, stages, force_new, lock)
+        return _run_locked(run, workdir, stages, force_new, lock, restart_stage)
     finally:
         lock.release()
 
 
-def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock) -> Path | None:
+def _run_locked(
+    run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock, restart_stage: str | None
+) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
@@ -283,7 +305,14 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
         scfg = run.stage(stage)
         stage_dir = workdir / stage.directory
         final_step = finished_step(stage_dir)
-        if extended and stage_dir.exists():
+        if stage.name == restart_stage and stage_dir.exists():
+            aside = stage_dir.with_name(f"{stage_dir.name}.restarted-{time.strftime('%Y%m%d-%H%M%S')}")
+            print(
+                f"[{stage.directory}] --restart_stage: training it from step 0 (old run moved to {aside})", flush=True
+            )
+            stage_dir.rename(aside)
+            extended = True  # the stages after it start from its new final state
+        elif extended and stage_dir.exists():
             aside = stage_dir.with_name(f"{stage_dir.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
             print(
                 f"[{stage.directory}] an earlier stage trained on: rerunning it (old run moved to {aside})", flush=True
@@ -339,7 +368,7 @@ def final_state_before(workdir: Path, index: int, abstract_student, mesh):
             f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
             f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
         )
-    ckpt = StageCheckpointer(workdir / prev.directory, save_every=1)
+    ckpt = StageCheckpointer(workdir / prev.directory, save_every=1, stage=prev.name)
     try:
         target = abstract_with_shardings(  # f32 Params: the stage saved its trained ones in their master dtype
             nnx.as_pure(f32_param_target(abstract_student)), shd.state_shardings(abstract_student, mesh)
