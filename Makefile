@@ -48,7 +48,7 @@ compare: $(VENV)/.installed
 	@echo "Report: $(COMPARE_DIR)/report.md (plots: pareto.png, loss_curves.png; everything: results.json)"
 
 test: $(VENV)/.installed-dev lint
-	$(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	HYDRAHEAD_REQUIRE_ORACLES=1 $(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Lint and format check (pyproject.toml); `make format` rewrites the tree in the house style.
 lint: $(VENV)/.installed-dev

@@ -230,3 +230,22 @@ def write_tiny_gguf(path: str | os.PathLike, model, arch: str, tokens: list[str]
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+REQUIRE_ORACLES = "HYDRAHEAD_REQUIRE_ORACLES"  # set by `make test`: there the dev extras are installed
+
+
+def import_oracle(module: str):
+    """``module`` (torch, a transformers module: an external oracle), imported. Where it is missing the test is
+    skipped, except when $HYDRAHEAD_REQUIRE_ORACLES is set (`make test`, whose environment has the dev extras):
+    there a missing oracle fails the test instead of passing it off as a skip."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if os.environ.get(REQUIRE_ORACLES):
+            pytest.fail(f"the oracle {module!r} does not import ({err}); install the dev extras (make install-dev)")
+        pytest.skip(f"{module} is not installed (the dev extras): this oracle comparison cannot run")
