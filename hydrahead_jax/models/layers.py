@@ -1,7 +1,7 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings, SwiGLU MLP, and parameter initialisers.
 
 Every parameter carries logical axis names (``out_sharding`` metadata, not applied eagerly); the training code
-maps them to mesh axes through one table of rules (``hydrahead_jax.training.sharding``). Names used here:
+maps them to mesh axes through one table of rules (``hydrahead_jax.sharding_rules``). Names used here:
 ``vocab``, ``embed`` (model width), ``heads`` (query heads x head_dim, flattened), ``kv_heads`` (KV heads x
 head_dim), ``mlp`` (MLP width), ``head_dim``, ``norm`` (never sharded).
 """
