@@ -178,11 +178,13 @@ def load_hydrahead(path: str | Path, *, device=None):
         CheckpointMismatchError,
         DamagedCheckpointError,
         check_matches,
+        check_step_files,
         restore_step,
         stored_metadata,
     )
 
     def check():  # the arrays of params/ against the model its config files describe, before any is read
+        check_step_files(path, ["params"], pytree_items=("params",))
         check_matches({"params": stored_metadata(path / "params")}, {"params": target}, where=f"{path}/params")
 
     try:

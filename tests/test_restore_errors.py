@@ -153,3 +153,82 @@ def test_restart_stage_moves_the_stage_aside_and_trains_it_from_step_0(tmp_path)
     assert (aside / "DONE").exists() and (tmp_path / "stage1_align" / "DONE").exists()
     got = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "split" not in r]
     assert [(r["step"], r["loss"]) for r in got] == [(r["step"], r["loss"]) for r in want]  # trained again, the same
+
+
+# ------------------------------------------------------------------------------------------------ each kind of failure
+def _step(tmp_path):
+    """A one-step Orbax checkpoint (a pytree item and a JSON item) written here; returns (manager dir, target)."""
+    import jax
+    import jax.numpy as jnp
+
+    state = {"a": jnp.arange(1000.0), "b": {"c": jnp.ones((30, 40))}}
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("model", "meta")) as manager:
+        manager.save(1, args=ocp.args.Composite(model=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"x": 1})))
+        manager.wait_until_finished()
+    return tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+
+def _truncate(path, size):
+    with open(path, "r+b") as handle:
+        handle.truncate(size)
+
+
+def _largest_array_file(step):
+    return max((p for p in (step / "model").rglob("*") if p.parent.name == "d"), key=lambda p: p.stat().st_size)
+
+
+DAMAGE = {  # what is done to step 1, and the file the error must name (relative to the step)
+    "array file truncated": (lambda s: _truncate(_largest_array_file(s), 100), None),
+    "array files garbage": (lambda s: [p.write_bytes(b"\0garbage" * 40) for p in (s / "model").rglob("d/*")], None),
+    "OCDBT manifest truncated": (lambda s: _truncate(s / "model" / "manifest.ocdbt", 5), "model/manifest.ocdbt"),
+    "OCDBT manifest deleted": (lambda s: (s / "model" / "manifest.ocdbt").unlink(), "model/manifest.ocdbt"),
+    "_METADATA truncated": (lambda s: _truncate(s / "model" / "_METADATA", 20), "model/_METADATA"),
+    "_METADATA deleted": (lambda s: (s / "model" / "_METADATA").unlink(), "model/_METADATA"),
+    "meta JSON truncated": (lambda s: _truncate(s / "meta" / "metadata", 3), "meta/metadata"),
+    "meta JSON deleted": (lambda s: (s / "meta" / "metadata").unlink(), "meta/metadata"),
+    "model item deleted": (lambda s: shutil.rmtree(s / "model"), "model"),
+}
+
+
+def _restore_one(directory, target):
+    step = directory / "1"
+    manager = ocp.CheckpointManager(directory, item_names=("model", "meta"))
+
+    def check():
+        checkpoint.check_step_files(step, ["model", "meta"], pytree_items=("model",))
+        checkpoint.check_matches({"model": checkpoint.stored_metadata(step / "model")}, {"model": target}, where="x")
+
+    args = ocp.args.Composite(model=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    try:
+        return checkpoint.restore_step(step, lambda: manager.restore(1, args=args), check=check)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damage_of_a_steps_own_files_is_named_as_such(tmp_path, case):
+    directory, target = _step(tmp_path)
+    damage, named = DAMAGE[case]
+    step = directory / "1"
+    victims = sorted(p.name for p in (step / "model").rglob("d/*"))  # the array data files, for the first two
+    damage(step)
+    with pytest.raises(checkpoint.DamagedCheckpointError) as caught:
+        _restore_one(directory, target)
+    message = str(caught.value)
+    assert str(step / named) in message if named else any(v in message for v in victims), message
+
+
+def test_a_target_of_other_shapes_or_paths_is_a_mismatch_naming_the_arrays(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    directory, _ = _step(tmp_path)
+    other = {"a": jax.ShapeDtypeStruct((1000,), jnp.int32), "b": {"d": jax.ShapeDtypeStruct((30, 40), jnp.float32)}}
+    with pytest.raises(CheckpointMismatchError) as caught:
+        _restore_one(directory, other)
+    assert "model/a: stored float32[1000], this run int32[1000]" in str(caught.value)
+    assert "model/b.c: stored, not in this run" in str(caught.value)
+    assert "model/b.d: in this run, not stored" in str(caught.value)
+    # a float dtype of another width is no mismatch: Orbax casts it (bf16 -> f32 exactly)
+    wider = {"a": jax.ShapeDtypeStruct((1000,), jnp.bfloat16), "b": {"c": jax.ShapeDtypeStruct((30, 40), jnp.float32)}}
+    assert _restore_one(directory, wider)["model"]["a"].dtype == jnp.bfloat16

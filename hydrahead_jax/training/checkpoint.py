@@ -381,7 +381,8 @@ class StageCheckpointer:
 
         def check():
             step_dir = self.directory / str(step)
-            check_step_files(step_dir, list(targets) + (["data"] if iterator is not None else []) + ["meta"])
+            items = list(targets) + (["data"] if iterator is not None else []) + ["meta"]
+            check_step_files(step_dir, items, pytree_items=tuple(targets))
             stored = {name: stored_metadata(step_dir / name) for name in targets}
             check_matches(stored, targets, where=f"checkpoint step {step} in {self.directory}")
 
@@ -472,12 +473,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:_SHORT]
 
 
+# The JSON files of a checkpoint: Orbax's metadata (step, item, sharding, per-process array metadata), the meta
+# item's JSON and grain's iterator state (*.json). The array data (OCDBT manifests and ``d/`` files) are binary.
+_JSON_NAMES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
+
+
+def _is_json_file(path: Path) -> bool:
+    return path.name in _JSON_NAMES or path.suffix == ".json" or path.parent.name == "array_metadatas"
+
+
 def _json_damage(directory: Path) -> str | None:
-    """The first JSON file of a checkpoint directory that does not parse, or None. Orbax's and grain's metadata
-    files are JSON; the array data (``d/`` folders, ``manifest.ocdbt``) and commit markers are not."""
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        if path.name in ("manifest.ocdbt", "commit_success.txt") or "d" in path.relative_to(directory).parts[:-1]:
-            continue
+    """The first JSON file of a checkpoint directory that does not parse, or None."""
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and _is_json_file(p)):
         try:
             json.loads(path.read_bytes())
         except (ValueError, UnicodeDecodeError) as err:
@@ -522,9 +529,12 @@ def damage_in(error: BaseException, directory: Path) -> str | None:
             found = _json_damage(directory)  # json.JSONDecodeError names no file: find the one that does not parse
             if found:
                 return found
-        if isinstance(err, FileNotFoundError) and err.filename and str(err.filename).startswith(str(directory)):
-            if not Path(err.filename).exists():
-                return f"{err.filename} is missing"
+        if isinstance(err, (OSError, ValueError, KeyError)):  # "File …/meta/metadata not found.", grain's, ENOENT
+            named = [str(err.filename)] if getattr(err, "filename", None) else []
+            named += [w.strip("'\".,:;()[]") for w in str(err).split()]
+            missing = [n for n in named if n.startswith(f"{directory}/") and not Path(n).exists()]
+            if missing:
+                return f"{missing[0]} is missing"
         found = _tensorstore_damage(str(err), directory)
         if found:
             return found
@@ -542,12 +552,21 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
-def check_step_files(step_dir: Path, items: list[str]) -> None:
-    """DamagedCheckpointError when a saved item's folder is missing or one of its JSON files does not parse."""
+# Every pytree item Orbax writes (OCDBT format) has these; without them no array of the item can be found.
+PYTREE_FILES = ("_METADATA", "manifest.ocdbt")
+
+
+def check_step_files(step_dir: Path, items: list[str], pytree_items: tuple[str, ...] = ()) -> None:
+    """DamagedCheckpointError when a saved item's folder is missing, a pytree item lacks one of PYTREE_FILES,
+    or one of the step's JSON files does not parse."""
     step_dir = Path(step_dir)
     for item in items:
         if not (step_dir / item).is_dir():
             raise DamagedCheckpointError(f"{step_dir / item} is missing")
+    for item in pytree_items:
+        for name in PYTREE_FILES:
+            if not (step_dir / item / name).is_file():
+                raise DamagedCheckpointError(f"{step_dir / item / name} is missing")
     found = _json_damage(step_dir)
     if found:
         raise DamagedCheckpointError(found)
@@ -580,8 +599,13 @@ def _target_leaves(target) -> dict[str, tuple[tuple[int, ...], Any]]:
 
 
 def _kind(dtype) -> str:
-    """float / int / bool / ...: Orbax casts between dtypes of one kind (bf16 → f32 exactly), not across kinds."""
-    return jax.numpy.dtype(dtype).kind
+    """floating / integer / bool / other: Orbax casts between dtypes of one kind (bf16 → f32 exactly), not across
+    kinds (numpy's own ``kind`` calls bfloat16 'V', so the jnp categories decide)."""
+    jnp = jax.numpy
+    for kind in (jnp.floating, jnp.integer, jnp.bool_, jnp.complexfloating):
+        if jnp.issubdtype(dtype, kind):
+            return kind.__name__
+    return str(dtype)
 
 
 def check_matches(stored: dict[str, Any], targets: dict[str, Any], *, where: str) -> None:
