@@ -216,15 +216,10 @@ def test_flash_attention_gpu_kernels_with_segment_ids_fit_an_h200(d, groups, cau
 
 
 @pytest.fixture(scope="module")
-def tpu_table(request):
+def tpu_table(show):
     rows = []
     yield rows
-    table = cc.format_tpu_table(rows)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\nflash attention compiled by XLA:TPU (libtpu):\n" + table)
-    else:
-        print(table)
+    show("\nflash attention compiled by XLA:TPU (libtpu):\n" + cc.format_tpu_table(rows))
 
 
 _OUR_TPU_KERNELS = ["flash_attention_dkv", "flash_attention_dq", "flash_attention_fwd"]
@@ -249,7 +244,6 @@ def _compile_fa_grad_for_tpu(chip, grad, args, spec, table, config, kernels=_OUR
     for c in (single, pod):
         names = [k.name for k in c.kernels]
         assert sorted(names) == sorted(kernels), names
-        assert all(k.vmem_bytes > 0 for k in c.kernels), c
         assert c.peak_bytes < c.hbm_bytes
     # Each chip holds a quarter of the heads and half the batch: its arguments are an eighth of the whole, up to the
     # tile padding of its layouts (rows pad to the (8 or 16, 128) tile; 300 -> 304 is 1.3 %; measured 0.3 %).
@@ -331,4 +325,9 @@ def test_splash_and_our_kernel_compile_for_tpu(chip, implementation, tpu_table):
         kernels = [f"splash_mha_{k}_segmented_{r}" for k, r in (("dkv", "no_residuals"), ("dq", "no_residuals"))]
         kernels.append("splash_mha_fwd_segmented_residuals")
     config = f"{implementation}: d=128 16/8 heads causal bfloat16 B=2 T=2048 segment ids"
-    _compile_fa_grad_for_tpu(chip, grad, (q, kv, kv, ids), P("data", None, "heads", None), tpu_table, config, kernels)
+    # The precision users get by default: under conftest's "highest", Mosaic cannot compile splash's bf16 dots
+    # (splash_unsupported says so, and auto then takes our kernel, which pins DEFAULT for them).
+    with jax.default_matmul_precision("default"):
+        _compile_fa_grad_for_tpu(
+            chip, grad, (q, kv, kv, ids), P("data", None, "heads", None), tpu_table, config, kernels
+        )

@@ -87,13 +87,10 @@ TPU_CHIPS = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}
 
 
 @pytest.fixture(scope="module")
-def tpu_table(request):
+def tpu_table(show):
     rows = []
     yield rows
-    table = cross_compile.format_tpu_table(rows)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\ngated delta compiled by XLA:TPU (libtpu):\n" + table)
+    show("\ngated delta compiled by XLA:TPU (libtpu):\n" + cross_compile.format_tpu_table(rows))
 
 
 def _check_tpu_kernels(compiled):

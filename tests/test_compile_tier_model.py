@@ -102,16 +102,11 @@ def mosaic_kernels(compiled) -> collections.Counter:
     [({"data": 8, "fsdp": 1, "tensor": 1}, 8), ({"data": 2, "fsdp": 2, "tensor": 2}, 4)],
     ids=["data8", "data2-fsdp2-tensor2"],
 )
-def test_tiny_train_step_compiles_for_a_tpu_slice(mesh_axes, batch_size, request):
+def test_tiny_train_step_compiles_for_a_tpu_slice(mesh_axes, batch_size, show):
     forward_program = compile_tiny_train_step(mesh_axes, batch_size, gradient=False)
     train_program = compile_tiny_train_step(mesh_axes, batch_size)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        rows = [
-            (f"tiny recipe loss {mesh_axes}", forward_program),
-            (f"tiny recipe train step {mesh_axes}", train_program),
-        ]
-        reporter.write_line("\n" + format_tpu_table(rows))
+    rows = [(f"tiny recipe loss {mesh_axes}", forward_program), (f"tiny recipe train step {mesh_axes}", train_program)]
+    show("\n" + format_tpu_table(rows))
     forward, train = mosaic_kernels(forward_program), mosaic_kernels(train_program)
     # Forward, per layer (2): the teacher's and the student's flash attention, the student's gated delta rule.
     families = ("flash_attention", "gated_delta")
@@ -124,15 +119,13 @@ def test_tiny_train_step_compiles_for_a_tpu_slice(mesh_axes, batch_size, request
     assert train_program.chips == 8 and train_program.peak_bytes < train_program.hbm_bytes
 
 
-def test_two_layer_hybrid_compiles_with_splash_for_the_fa_groups(request):
+def test_two_layer_hybrid_compiles_with_splash_for_the_fa_groups(show):
     """At head dim 128 and 256-token rows (what splash covers), the 2-layer hybrid's train step compiled for the
     8-chip v5e slice with the batch over the chips runs Google's splash attention for every FA group (the
     student's and the teacher's, forward and backward, packed documents as segment ids) and our gated delta kernels
     for the LA heads; none of our flash attention kernels is left."""
     program = compile_tiny_train_step({"data": 8, "fsdp": 1, "tensor": 1}, 8, head_dim=128, seq_len=256)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\n" + format_tpu_table([("2-layer hybrid d=128 T=256, splash", program)]))
+    show("\n" + format_tpu_table([("2-layer hybrid d=128 T=256, splash", program)]))
     kernels = mosaic_kernels(program)
     splash = {n for n in kernels if n.startswith("splash_mha_")}
     assert {n.split("_")[2] for n in splash} == {"fwd", "dq", "dkv"}, kernels

@@ -17,7 +17,10 @@ What splash does not cover (:func:`splash_unsupported` says which, ``auto`` then
   * key segment ids of their own (``kv_segment_ids`` given: context parallelism's rotated keys, a chunk of queries
     continuing a cached prefix), where a query can have no visible key at all — splash requires every row of the
     mask to see a key (its softmax would divide by 0), our kernel outputs 0 there;
-  * head dims that are not a multiple of 128 (the lane width; splash's tiles keep the head dim whole).
+  * head dims that are not a multiple of 128 (the lane width; splash's tiles keep the head dim whole);
+  * half-precision inputs under a global ``jax_default_matmul_precision`` above the default ("highest", ...):
+    splash's dots take that precision and Mosaic cannot legalise an fp32 contract precision on bf16 operands (our
+    kernel pins DEFAULT precision for half-precision dots, whose products are exact on the MXU anyway).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ import jax
 import jax.numpy as jnp
 
 _LANES = 128
-_TILES = (512, 256, 128)  # largest first: splash's per-step overhead favours big tiles where the length allows
+_TILES = (512, 256, 128)
+_HALF_PRECISION_OK = (
+    "none",
+    "default",
+    "bfloat16",
+    "fastest",
+)  # global settings that leave bf16 dots at DEFAULT  # largest first: splash's per-step overhead favours big tiles where the length allows
 
 
 def splash_unsupported(q, k, *, kv_segment_ids_given: bool) -> str | None:
@@ -38,6 +47,12 @@ def splash_unsupported(q, k, *, kv_segment_ids_given: bool) -> str | None:
         return f"query/key lengths {t}/{s} are not multiples of {_LANES} (pad them, or use implementation='pallas')"
     if d % _LANES:
         return f"head dim {d} is not a multiple of {_LANES} (use implementation='pallas')"
+    precision = jax.config.jax_default_matmul_precision
+    if q.dtype.itemsize < 4 and str(precision).lower() not in _HALF_PRECISION_OK:
+        return (
+            f"jax_default_matmul_precision={precision!r} with {q.dtype} inputs: Mosaic cannot compile splash's dots "
+            "at that precision (set it to 'default' around the call, or use implementation='pallas')"
+        )
     if kv_segment_ids_given:
         return (
             "kv_segment_ids of their own can leave a query with no visible key, which splash cannot compute "
