@@ -440,17 +440,20 @@ def tpu_mesh(topology: str, mesh_axes: dict[str, int] | None = None) -> jax.shar
 
 
 _KERNEL_NAME = re.compile(r'op_name="[^"]*?(\w+)\)*/pallas_call')
+# Splash's calls sit in its own "_splash_attention" scope, so their op_name does not end in the kernel's name; XLA
+# names the instruction after it ("%splash_mha_fwd_segmented_residuals.1 = ...").
+_SPLASH_NAME = re.compile(r"%\w*?(splash_mha_\w+?)_*(?:\.\d+)? =")
 _USED_SCOPED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
 
 
 def _mosaic_kernels(hlo: str) -> tuple[TpuKernel, ...]:
-    """Each ``tpu_custom_call`` of compiled HLO text: its pallas_call name (from the op_name metadata) and the VMEM
-    (memory space 1) of its ``used_scoped_memory_configs``."""
+    """Each ``tpu_custom_call`` of compiled HLO text: its pallas_call name (from the op_name metadata; splash's from
+    the instruction's name) and the VMEM (memory space 1) of its ``used_scoped_memory_configs``."""
     kernels = []
     for line in hlo.splitlines():
         if 'custom_call_target="tpu_custom_call"' not in line:
             continue
-        name = _KERNEL_NAME.search(line)
+        name = _SPLASH_NAME.search(line) or _KERNEL_NAME.search(line)
         used = _USED_SCOPED.search(line)
         # A call the compiler gave no scoped memory has no such field.
         configs = json.loads(f"[{used.group(1)}]") if used else []
