@@ -62,3 +62,16 @@ def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     counts = collections.Counter(item.path for item in items)
     items.sort(key=lambda item: (item.path not in slow_files, -counts[item.path]))  # stable within a file
+
+
+@pytest.fixture(scope="session")
+def show(request):
+    """A function that prints past pytest's output capture: the tables the compile tiers report (per-chip memory,
+    VMEM, registers) appear in the run's output whether the tests pass or not."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def show(text: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(text, flush=True)
+
+    return show

@@ -8,7 +8,7 @@ from typing import Any
 
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.context_parallel.attention import MODES as CONTEXT_PARALLEL_MODES
-from pallas_kernels.dispatch import IMPLEMENTATIONS
+from pallas_kernels.dispatch import implementations
 
 FUSIONS = ("none", "la_only", "both")
 FUSION_GRANULARITIES = ("head", "channel")
@@ -109,9 +109,14 @@ class HybridConfig:
                 f"HybridConfig.gdn_beta={self.gdn_beta} is a sigmoid output: choose a value strictly between 0 and 1 "
                 "(0.5 is the default)."
             )
-        for field in ("gdn_implementation", "attention_implementation"):
-            if getattr(self, field) not in IMPLEMENTATIONS:
-                raise ConfigError(f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {IMPLEMENTATIONS}.")
+        for field, op in (
+            ("gdn_implementation", "chunk_gated_delta_rule"),
+            ("attention_implementation", "flash_attention"),
+        ):
+            if getattr(self, field) not in implementations(op):
+                raise ConfigError(
+                    f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {implementations(op)}."
+                )
         if self.attention_context_parallel not in CONTEXT_PARALLEL_MODES:
             raise ConfigError(
                 f"HybridConfig.attention_context_parallel={self.attention_context_parallel!r}; "
