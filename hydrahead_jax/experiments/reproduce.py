@@ -225,7 +225,12 @@ def prepare_data(study: Study, workdir: Path) -> dict[str, Path]:
     from hydrahead_jax.experiments.small_teacher import load_folder_tokenizer, train_tokenizer
 
     out = workdir / "data"
-    paths = {"tokenizer": out / "tokenizer", "corpus": out / "corpus.jsonl", "heldout": out / "heldout.jsonl"}
+    paths = {
+        "tokenizer": out / "tokenizer",
+        "articles": out / "articles.jsonl",  # the training articles alone: the teacher's text rows and haystack
+        "corpus": out / "corpus.jsonl",
+        "heldout": out / "heldout.jsonl",
+    }
     if (out / "DONE").exists():
         return paths
     docs = load_enwiki_documents()
@@ -250,6 +255,7 @@ def prepare_data(study: Study, workdir: Path) -> dict[str, Path]:
     order = rng.permutation(len(corpus))
     _write_jsonl(paths["corpus"], [corpus[i] for i in order])
     _write_jsonl(paths["heldout"], heldout)
+    _write_jsonl(paths["articles"], train)
     load_folder_tokenizer(paths["tokenizer"])  # the saved tokenizer reads back
     (out / "DONE").write_text("ok\n")
     return paths
@@ -277,8 +283,7 @@ def teacher_part(study: Study, workdir: Path, paths: dict[str, Path]) -> Path:
     if summary.exists() and (folder / "hf" / "config.json").exists():
         return folder / "hf"
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
-    train = _read_texts(paths["corpus"])
-    train = [t for t in train if not t.startswith("<k")]  # the articles and needle documents (MQAR is drawn anew)
+    train = _read_texts(paths["articles"])
     log(f"teacher: training {study.teacher.steps} steps of {study.teacher.batch_size} x {study.seq_len} tokens")
     t0 = time.perf_counter()
     result = train_teacher(study.teacher, tokenizer, train, folder, log=log)
@@ -909,7 +914,7 @@ def measure_teacher(study: Study, workdir: Path, steps: int) -> dict[str, Any]:
     paths = prepare_data(study, workdir)
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
     recipe = dc.replace(study.teacher, steps=steps, checkpoint_every=steps)
-    train = [t for t in _read_texts(paths["corpus"]) if not t.startswith("<k")]
+    train = _read_texts(paths["articles"])
     import shutil
 
     shutil.rmtree(workdir / "throughput", ignore_errors=True)
