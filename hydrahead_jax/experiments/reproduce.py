@@ -691,13 +691,30 @@ def summary(result: dict, pairs: int) -> dict[str, float | None]:
 
 
 def local_records(study: Study, workdir: Path) -> list[dict]:
+    """The finished runs of ``workdir`` whose eval.json matches the run's current config hash (a run of an older
+    recipe counts as unfinished, as in the comparison)."""
+    paths = {
+        "tokenizer": workdir / "data" / "tokenizer",
+        "corpus": workdir / "data" / "corpus.jsonl",
+        "heldout": workdir / "data" / "heldout.jsonl",
+    }
+    folder = workdir / "teacher" / "hf"
+    head_maps = {
+        arm: str(workdir / "head_maps" / f"{arm}.json")
+        for arm in ARMS
+        if ARMS[arm].get("selection.method") == "combined"
+    }
     records = []
-    for path in sorted((workdir / "runs").glob("*/seed*/variants/*/eval.json")):
-        data = _read_json(path)
-        if data and data.get("run"):
+    for spec in run_specs(study, parts_of([])):
+        variant = load_variants(comparison_config(study, paths, folder, spec.seed, spec.scale, [spec.arm]))[0]
+        _, vdir, digest = _variant_run(
+            variant, head_maps, workdir / "runs" / spec.budget / f"seed{spec.seed}", study.eval
+        )
+        if _finished(vdir, digest):
+            data = _read_json(vdir / "eval.json")
             records.append(
                 {k: v for k, v in data.items() if k != "config_hash"}
-                | {"stage_seconds": _read_json(path.parent / "timings.json") or {}}
+                | {"stage_seconds": _read_json(vdir / "timings.json") or {}}
             )
     return records
 
