@@ -6,6 +6,7 @@ import pytest
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.experiments import reproduce
 
+
 def test_a_workdir_refuses_another_study_or_changed_claims(tmp_path, monkeypatch):
     study = reproduce.quick_study()
     reproduce._claim_workdir(study, tmp_path)
