@@ -23,6 +23,41 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Families people ask for that this decoder does not implement, with what each would need (config.json
+# architecture names and llama.cpp's GGUF names). Llama-3.x, Qwen2.5 and SmolLM2 load as llama / qwen2.
+_MISSING = {
+    "mistral": "sliding-window attention (Mistral's sliding_window); a Mistral without it is a Llama: re-save "
+    "its config.json with architectures ['LlamaForCausalLM']",
+    "gemma": "Gemma's GeGLU MLP, (1 + w) RMSNorm gains, sqrt(hidden_size) embedding scale and, in Gemma 2/3, "
+    "logit soft-capping and local/global attention layers",
+    "moe": "a mixture-of-experts MLP (router and experts) in place of the dense SwiGLU",
+    "smollm3": "SmolLM3's NoPE layers (no_rope_layers: every 4th layer skips RoPE)",
+}
+_REFUSED_HF = {
+    "MistralForCausalLM": "mistral",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+_REFUSED_GGUF = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "qwen2moe": "moe",
+    "qwen3moe": "moe",
+    "smollm3": "smollm3",
+}
+
+
+def _refusal(path, family_name: str, family: str, supported) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: {family_name} is not supported: it needs {_MISSING[family]}. Supported: {sorted(supported)}."
+    )
 
 
 class CheckpointError(ValueError):
@@ -213,6 +248,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     except Exception as e:  # the gguf package raises ValueError/struct errors on a corrupt header
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
     arch = gguf_field(reader, "general.architecture", path=path)
+    if arch in _REFUSED_GGUF:
+        raise _refusal(path, f"GGUF architecture {arch!r}", _REFUSED_GGUF[arch], GGUF_ARCHITECTURES)
+    if arch == "llama" and int(gguf_field(reader, "llama.expert_count", 0)):
+        raise _refusal(path, "a llama GGUF with experts (Mixtral)", "moe", GGUF_ARCHITECTURES)
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF architectures are "
@@ -356,6 +395,10 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     """A ModelConfig from the parsed config.json of a Llama / Qwen2 / Qwen3 causal LM."""
     archs = hf.get("architectures") or []
     arch_name = archs[0] if archs else None
+    if arch_name in _REFUSED_HF:
+        raise _refusal(path, f"architecture {arch_name!r}", _REFUSED_HF[arch_name], HF_ARCHITECTURES)
+    if hf.get("num_experts") or hf.get("num_local_experts"):
+        raise _refusal(path, f"architecture {arch_name!r} with experts", "moe", HF_ARCHITECTURES)
     if arch_name not in HF_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: architecture {arch_name!r} is not supported; supported architectures are "
