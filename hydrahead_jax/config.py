@@ -216,7 +216,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; ``rope_scaling`` only when set, so a plain-RoPE config reads as it did before scaling
+        existed (run fingerprints and exported ``model_config.json`` files stay valid)."""
+        out = dataclasses.asdict(self)
+        if out["rope_scaling"] is None:
+            del out["rope_scaling"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -228,3 +233,47 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+EXTENSION_TYPES = ("linear", "dynamic", "yarn")
+
+
+def parse_rope_extension(spec: str) -> tuple[str, float, int | None]:
+    """``"TYPE:FACTOR[:ORIGINAL_LENGTH]"`` (e.g. ``"yarn:4"``, ``"yarn:4:8192"``) → (type, factor, length or None).
+
+    The context-extension setting of the long stage; raises ConfigError with the accepted form."""
+    parts = spec.split(":")
+    form = "TYPE:FACTOR[:ORIGINAL_LENGTH] with TYPE in " + "/".join(EXTENSION_TYPES) + ", e.g. yarn:4"
+    if len(parts) not in (2, 3) or parts[0] not in EXTENSION_TYPES:
+        raise ConfigError(f"RoPE extension {spec!r}: write {form}.")
+    try:
+        factor = float(parts[1])
+        original = int(parts[2]) if len(parts) == 3 else None
+    except ValueError:
+        raise ConfigError(
+            f"RoPE extension {spec!r}: the factor must be a number and the length an integer ({form})."
+        ) from None
+    if not factor > 1 or (original is not None and original <= 0):
+        raise ConfigError(f"RoPE extension {spec!r}: the factor must be > 1 and the length positive ({form}).")
+    return parts[0], factor, original
+
+
+def with_rope_extension(cfg: ModelConfig, spec: str) -> ModelConfig:
+    """``cfg`` with its positions extended by ``spec`` (``parse_rope_extension``) for long-context training.
+
+    yarn / linear scale from the original length L0 (default: ``cfg.max_position_embeddings``) to factor·L0, which
+    becomes the new ``max_position_embeddings``; dynamic NTK scales relative to ``max_position_embeddings`` itself.
+    A config that already carries a RoPE scaling is refused: two scalings do not compose."""
+    kind, factor, original = parse_rope_extension(spec)
+    if cfg.rope_scaling is not None:
+        raise ConfigError(
+            f"RoPE extension {spec!r}: the model already uses RoPE scaling {cfg.rope_scaling.rope_type!r} "
+            f"(factor {cfg.rope_scaling.factor}); extending on top of it is not supported. Fix: no stage-3 extension."
+        )
+    original = original or cfg.max_position_embeddings
+    if kind == "dynamic":
+        return cfg.replace(rope_scaling=RopeScaling("dynamic", factor=factor), max_position_embeddings=original)
+    return cfg.replace(
+        rope_scaling=RopeScaling(kind, factor=factor, original_max_position_embeddings=original),
+        max_position_embeddings=int(round(original * factor)),
+    )
