@@ -4,6 +4,8 @@ Tasks (RULER-style wording, plain text, no chat template, answerable by a small 
   niah_single        one needle "One of the special magic numbers for <key> is: <value>."
   niah_multikey      several needles with different keys; the question asks for one of them
   niah_multivalue    several values for the same key; the answer lists them in order of appearance
+  niah_multiquery    several keys asked at once (``niah(num_queries=...)``); the answer lists their values
+                     (``needle_haystack``: filler made of distractor needles; ``key_type="uuid"``: uuid keys)
   passkey            "The pass key is <5 digits>. Remember it."
   kv_retrieval       a JSON object of uuid keys → uuid values; the question names one key
   variable_tracking  a chain VAR A = 12345. VAR B = VAR A. ...; the answer lists every variable
