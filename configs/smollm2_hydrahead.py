@@ -9,7 +9,8 @@ faster box (README.md has the comparison). These are demonstration budgets (ever
 not a converged model; the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
-"layerwise_3to1", "random_7to1".
+"layerwise_3to1", "random_7to1", "yarn4" (the 7:1 student whose FA heads take YaRN x4 from stage 3 on: the
+teacher's 8192 positions stretched to 32768, carried into the export).
 """
 
 from configs.common import base, stage
@@ -92,10 +93,12 @@ def _variant(c, arg: str):
     elif arg.startswith("layerwise_"):
         c.selection.method = "layerwise"
         c.selection.ratio = arg.split("_", 1)[1].replace("to", ":")
+    elif arg == "yarn4":
+        c.stage3.rope_scaling = "yarn:4"
     elif arg.startswith("random_"):
         c.selection.method = "random"
         c.selection.ratio = arg.split("_", 1)[1].replace("to", ":")
     else:
         raise ValueError(
-            f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1' or 'random_7to1'."
+            f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1', 'random_7to1' or 'yarn4'."
         )

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig
+from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig, parse_rope_extension
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.selection.select import METHODS, SelectionConfig, SelectionError, validate_config
 
@@ -219,9 +219,17 @@ class StageConfig:
     remat: bool = False
     heldout_rows: int = 4  # rows of the fixed held-out batch (at the stage's seq_len); 0 = no held-out evaluation
     heldout_every: int = 0  # held-out evaluation every this many steps, besides step 0 and the last step
+    # long stage: a RoPE scaling for the student's FA heads from this stage on, carried into the export:
+    # "TYPE:FACTOR[:ORIGINAL_LENGTH]", e.g. "yarn:4" (config.with_rope_extension); "" keeps the teacher's RoPE
+    rope_scaling: str = ""
 
     def __post_init__(self):
         s = "stage"
+        if self.rope_scaling:
+            try:
+                parse_rope_extension(self.rope_scaling)
+            except ConfigError as err:
+                raise _FieldError(s, "rope_scaling", self.rope_scaling, str(err), "yarn:4") from None
         _require(self.train in TRAIN_CHOICES, s, "train", self.train, f"choose one of {TRAIN_CHOICES}", "all")
         _require(self.steps >= 0, s, "steps", self.steps, "must be >= 0", "a step count, or 0 to use tokens")
         _require(self.tokens >= 0, s, "tokens", self.tokens, "must be >= 0", "a token budget, or 0 to use steps")
@@ -375,6 +383,11 @@ class RunConfig:
                 raise ConfigError(
                     f"{where}.synthetic_rate={cfg.synthetic_rate}: synthetic retrieval rows are mixed into a corpus, "
                     f"and data.source='copy' has none. Fix: --{where}.synthetic_rate=0, or a corpus data.source."
+                )
+            if cfg.rope_scaling and stage.loss != "long":
+                raise ConfigError(
+                    f"{where}.rope_scaling={cfg.rope_scaling!r}: context extension applies from the long stage "
+                    f"(stage 3) on. Fix: --{where}.rope_scaling='' and set config.stage3.rope_scaling instead."
                 )
             if stage.loss == "long" and cfg.ce_weight == 0 and cfg.kl_weight == 0:
                 raise ConfigError(

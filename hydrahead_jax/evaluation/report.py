@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hydrahead_jax.evaluation import ruler
 from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS
 
 MEMORY_NOTE = (
@@ -160,6 +161,8 @@ def write_outputs(suite, out_dir: str | Path) -> dict:
         "teacher": None if suite.teacher is None else suite.teacher.name,
         "results": records,
         "samples": suite.samples,
+        "ruler": ruler.aggregate(suite.ruler_samples, {m.name: m.train_length for m in suite.models}),
+        "ruler_samples": suite.ruler_samples,
         "skipped": suite.skipped,
         "notes": suite.notes,
         "seconds": [{"model": k[0], "task": k[1], "seconds": v} for k, v in suite.seconds.items()],
@@ -354,6 +357,7 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
             lines += _table(["context"] + names, _side_by_side(sub, names, keys, lambda k: {"length": k}, kind, str))
         lines += [f"![{p}]({p})" for p in plots.get("efficiency", [])] + [""]
 
+    lines += ruler.render(results.get("ruler", []), names, plots.get("ruler", []))
     if results["skipped"] or results["notes"]:
         lines += ["## Skipped", ""]
         lines += _table(
@@ -499,4 +503,5 @@ def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
             ax.set_xlabel("context length")
         axes[0][0].legend(fontsize=7)
         save(fig, "efficiency_vs_length.png", "efficiency")
+    made["ruler"] = ruler.plot(results.get("ruler", []), names, out, lambda name: _style(results, name), train_lengths)
     return dict(made)

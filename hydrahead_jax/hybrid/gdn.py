@@ -377,7 +377,7 @@ class GatedDeltaNetHeads(nnx.Module):
             if cache is not None:
                 new_cache["conv_state"] = conv_state.astype(cache["conv_state"].dtype)
         if hc.la_rope:
-            rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved)
+            rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
         with jax.named_scope("gdn_repeat"):
             k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G

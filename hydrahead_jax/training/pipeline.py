@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from hydrahead_jax.config import ConfigError, ModelConfig
+from hydrahead_jax.config import ConfigError, ModelConfig, with_rope_extension
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
@@ -141,6 +141,22 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
         HeadMap.load(sel.head_map_path, cfg)
     elif sel.method not in ("all_fa", "all_la"):
         validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
+    for stage in STAGES:
+        student_config(run, cfg, stage)  # a stage-3 RoPE extension the teacher's RoPE cannot take is refused now
+
+
+def student_config(run: RunConfig, cfg: ModelConfig, stage: Stage) -> ModelConfig:
+    """The student's ModelConfig in ``stage``: the teacher's, with the RoPE extension of the first stage up to
+    and including ``stage`` that sets one (``StageConfig.rope_scaling``; only the long stage may). The extension
+    changes no parameter, so a state passes unchanged from the stage before it."""
+    for s in STAGES[: STAGES.index(stage) + 1]:
+        spec = run.stage(s).rope_scaling
+        if spec:
+            try:
+                return with_rope_extension(cfg, spec)
+            except ConfigError as err:
+                raise ConfigError(f"config.{s.config_key}.rope_scaling: {err}") from None
+    return cfg
 
 
 def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
@@ -272,8 +288,11 @@ def _run_locked(
     teacher_handle = TeacherHandle(teacher, mesh)
     nnx.update(teacher, teacher_handle.state)  # the module and the handle share the placed arrays: one copy
 
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(run.seed)))
-    student_graphdef, abstract_student = nnx.split(abstract_model)
+    def abstract_model(stage: Stage):
+        stage_cfg = student_config(run, cfg, stage)
+        return nnx.split(nnx.eval_shape(lambda: build_model(stage_cfg, head_map, run.hybrid, nnx.Rngs(run.seed))))
+
+    student_graphdef, abstract_student = abstract_model(STAGES[0])
 
     def iterator_factory(stage: Stage, seed: int):
         scfg = run.stage(stage)
@@ -303,6 +322,7 @@ def _run_locked(
         if previous is None and index > 0:
             previous = final_state_before(workdir, index, abstract_student, mesh)
         scfg = run.stage(stage)
+        student_graphdef, abstract_student = abstract_model(stage)  # the same state; RoPE may differ by stage
         stage_dir = workdir / stage.directory
         final_step = finished_step(stage_dir)
         if stage.name == restart_stage and stage_dir.exists():
@@ -349,7 +369,7 @@ def _run_locked(
             workdir / "final",
             student_graphdef,
             cast_like(previous, nnx.as_pure(abstract_student)),  # the master copy is training state: export as built
-            cfg,
+            student_config(run, cfg, STAGES[-1]),
             head_map,
             run.hybrid,
             tokenizer=tokenizer,
