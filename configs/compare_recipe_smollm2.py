@@ -23,8 +23,6 @@ Retrieval is evaluated with power: NIAH at 2 depths × 50 prompts (100 per lengt
 length, at 512 and 1K tokens (the report gives Wilson 95 % intervals for the suite's own report; evaluation/).
 """
 
-from ml_collections import ConfigDict
-
 from configs import compare_smollm2
 
 _WARMUP = {f"stage{i}.{k}": v for i in (1, 2, 3) for k, v in (("warmup_fraction", 0.1), ("warmup_start_ratio", 0.1))}
