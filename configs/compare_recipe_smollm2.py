@@ -20,7 +20,9 @@ from lr 0, one learning rate per stage, synthetic rows with loss on their answer
     combined          all of the above
 
 Retrieval is evaluated with power: NIAH at 2 depths × 50 prompts (100 per length), passkey and key-value 50 per
-length, at 512 and 1K tokens (the report gives Wilson 95 % intervals for the suite's own report; evaluation/).
+length, at 512 and 1K tokens (the evaluation time this adds per variant is not measured yet). The comparison's
+report.md gives the accuracies; their Wilson 95 % intervals follow from n and k (evaluation/intervals.py), which
+the evaluation suite's own report prints and the comparison's does not yet.
 """
 
 from configs import compare_smollm2
