@@ -13,6 +13,7 @@ from flax import nnx
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, build_student, new_param_filter
 from hydrahead_jax.hybrid.attention import HydraHeadAttention
+from hydrahead_jax.hybrid.fusion import calibrate_fusion
 from hydrahead_jax.models.generate import generate
 from hydrahead_jax.models.transformer import Transformer
 
@@ -212,8 +213,12 @@ def naive_la_attention(attn, x, hc):
     if hc.la_rope:
         pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
         q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    if hc.gdn_qk_map:
+        q = np.einsum("bthd,hde->bthe", q, _np(gdn.q_map))
+        k = np.einsum("bthd,hde->bthe", k, _np(gdn.k_map))
     alpha = np.exp(-np.exp(_np(gdn.A_log)) * _softplus(x @ _np(gdn.a_proj.kernel) + _np(gdn.dt_bias)))  # [B,T,H]
-    beta = 1.0 / (1.0 + np.exp(-(x @ _np(gdn.b_proj.kernel))))
+    offset = 0.0 if gdn.beta_bias is None else _np(gdn.beta_bias)
+    beta = 1.0 / (1.0 + np.exp(-(x @ _np(gdn.b_proj.kernel) + offset)))
     out = np.zeros((B, T, H, D))
     for b in range(B):
         for h in range(H):
@@ -230,7 +235,11 @@ def naive_la_attention(attn, x, hc):
         out = _rms_norm(out, _np(gdn.o_norm_weight), cfg.rms_norm_eps) * _silu(z)
     if hc.fusion != "none":
         gamma = _np(attn.fusion.gamma)
-        out = _rms_norm(out, gamma[:, None] if gamma.ndim == 1 else gamma, cfg.rms_norm_eps)
+        gamma = gamma[:, None] if gamma.ndim == 1 else gamma
+        # la_scale scales the gated output as it is; the normalising modes RMS-normalise it again first
+        out = out * gamma if hc.fusion == "la_scale" else _rms_norm(out, gamma, cfg.rms_norm_eps)
+        if attn.fusion.mu is not None:
+            out = out + _np(attn.fusion.mu)
     return out.reshape(B, T, H * D) @ _np(attn.o_proj.kernel)
 
 
@@ -238,9 +247,11 @@ def naive_la_attention(attn, x, hc):
     "hc",
     [
         HybridConfig(),
+        HybridConfig(fusion="la_only"),
+        HybridConfig(gdn_qk_map=True, gdn_beta_bias=True, fusion_bias=True),
         HybridConfig(use_conv=False, use_output_gate=False, la_rope=True, fusion="none", gdn_chunk_size=16),
     ],
-    ids=["conv-gate-fusion", "bare-rope"],
+    ids=["conv-gate-fusion", "conv-gate-renormalising-fusion", "qk-map-beta-bias-mu", "bare-rope"],
 )
 def test_la_path_matches_naive_recurrence(hc):
     cfg = CFG.replace(num_layers=1)
@@ -323,22 +334,28 @@ def naive_teacher_heads(teacher, ids):
     return x, np.einsum("bhts,bshd->bthd", p, v)
 
 
-@pytest.mark.parametrize("fusion,granularity", [("none", "head"), ("la_only", "channel"), ("both", "head")])
+@pytest.mark.parametrize(
+    "fusion,granularity", [("none", "head"), ("la_scale", "head"), ("la_only", "channel"), ("both", "head")]
+)
 def test_fusion_modes_and_calibration(fusion, granularity):
     cfg = CFG.replace(num_layers=1)
     teacher = random_teacher(cfg, seed=4)
     ids = ids_of((2, 24), seed=3)
     hc = HybridConfig(fusion=fusion, fusion_granularity=granularity)
-    student = build_student(teacher, HeadMap.from_fa_groups(cfg, [[1]], method="test"), hc, calibration_ids=ids)
+    head_map = HeadMap.from_fa_groups(cfg, [[1]], method="test")
+    student = build_model(cfg, head_map, hc)
+    # A gate that varies per token (at construction silu(z) = 1 everywhere), so la_scale's keeping of the gate's
+    # per-token magnitude is visible; then the teacher's weights and the calibration, as build_student does.
+    perturb(student, nnx.PathContains("z_proj"), 8, scale=0.5)
+    nnx.update(student, jax.tree.map(jnp.copy, nnx.state(teacher, nnx.Param)))
+    calibrate_fusion(student, teacher, ids)
     attn = student.layers[0].self_attn
     x, teacher_heads = naive_teacher_heads(teacher, ids)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
-    heads = np.asarray(
-        jax.jit(lambda s, x: nnx.merge(nnx.graphdef(attn), s).head_outputs(x, positions)[0])(
-            nnx.state(attn), jnp.asarray(x, jnp.float32)
-        ),
-        np.float64,
+    run = jax.jit(
+        lambda s, x, method: getattr(nnx.merge(nnx.graphdef(attn), s), method)(x, positions), static_argnums=2
     )
+    heads = np.asarray(run(nnx.state(attn), jnp.asarray(x, jnp.float32), "head_outputs")[0], np.float64)
     fa, la = [2, 3], [0, 1]  # FA group 1 = query heads 2, 3
     rms = np.sqrt(np.mean(heads**2, axis=-1))  # [B,T,H] per-token RMS of every head
     if fusion == "none":
@@ -349,8 +366,19 @@ def test_fusion_modes_and_calibration(fusion, granularity):
     # γ initialised to the teacher's measured output RMS over the batch, computed here by hand.
     axes = (0, 1, 3) if granularity == "head" else (0, 1)
     measured = np.sqrt(np.mean(teacher_heads**2, axis=axes))
-    touched = la if fusion == "la_only" else [0, 1, 2, 3]
+    touched = [0, 1, 2, 3] if fusion == "both" else la
     assert attn.fusion.heads == tuple(touched)
+    if fusion == "la_scale":
+        gated = np.asarray(run(nnx.state(attn), jnp.asarray(x, jnp.float32), "fusion_inputs"), np.float64)
+        # γ puts the gated output's RMS over the batch on the teacher head's: teacher RMS / input RMS
+        np.testing.assert_allclose(gamma, measured[la] / np.sqrt(np.mean(gated**2, axis=axes)), rtol=1e-5)
+        np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)  # the teacher's FA heads
+        # LA heads: γ times the gated output, not normalised again: the per-token RMS is the gate's (it varies
+        # across tokens by far more than the 1e-4 a second normalisation would leave).
+        np.testing.assert_allclose(heads[:, :, la], gated * gamma[:, None], rtol=1e-5, atol=1e-6)
+        per_token = rms[:, :, la] / gamma
+        assert np.std(per_token) > 0.05 * np.mean(per_token)
+        return
     np.testing.assert_allclose(gamma, measured[touched], rtol=1e-5)
     if fusion == "la_only":
         np.testing.assert_allclose(heads[:, :, fa], teacher_heads[:, :, fa], atol=1e-5)  # FA heads untouched

@@ -10,17 +10,22 @@ gives each layer its FA groups; every other group is LA:
     o    = fusion(concat(o_FA, o_LA) in original head order)       (hybrid/fusion.py)
     out  = o · W_o                                                  the teacher's o_proj
 
-Scale-normalised fusion (our design; the paper's formula is not public). For every head h it touches (the LA heads
-for ``la_only``, all heads of the layer for ``both``):
+Fusion (our design; the paper's formula is not public). ``la_scale`` (the default) touches only the LA heads and
+does not normalise them: the kept FA heads are the teacher's heads, unchanged, and each LA head h is scaled and
+offset,
 
-    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε) (+ μ_h)   γ_h ∈ R (``head``) or R^D (``channel``)
+    ô_{t,h} = γ_h ⊙ o_{t,h} (+ μ_h)                                  (``la_scale``)
 
-FA and LA heads produce outputs of very different magnitude (a softmax average of values vs a delta-rule state
-read-out); normalising each head and rescaling it to what the teacher's head produced puts them on the teacher's
-scale. γ is learnable, initialised from the teacher's measured per-head output RMS or by a least-squares fit to
-the teacher's head outputs (``hybrid/fusion.py``). The optional offset μ_h ∈ R^D (``fusion_bias``) carries the
-part of a teacher head's output that does not depend on the token (attention-sink heads output nearly a
-constant). ``none`` leaves outputs untouched.
+so the output gate's per-token magnitude (RMSNorm(o)·w·silu(z), ``hybrid/gdn.py``) survives: an LA head can go
+quiet where its teacher head is idle. The normalising modes divide each touched head by its per-token RMS first,
+
+    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε) (+ μ_h)   (``la_only``: the LA heads; ``both``: all heads)
+
+γ_h ∈ R (``head``) or R^D (``channel``), learnable, initialised from the teacher's measured per-head output RMS or
+by a least-squares fit to the teacher's head outputs (``hybrid/fusion.py``). The optional offset μ_h ∈ R^D
+(``fusion_bias``) carries the part of a teacher head's output that does not depend on the token (attention-sink
+heads output nearly a constant). ``both`` also renormalises the kept FA heads per token, so they are no longer
+the teacher's heads (measured on the SmolLM2 demo student: bench/RESULTS.md); ``none`` leaves outputs untouched.
 
 Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
 and, with the conv, conv_state [B, conv_size−1, C] for the LA groups.
@@ -60,15 +65,24 @@ def take_heads(x: jax.Array, heads: tuple[int, ...]) -> jax.Array:
 
 
 class ScaleFusion(nnx.Module):
-    """Per-head RMS normalisation times a learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at
-    construction) for the query heads ``heads`` (original indices, sorted)."""
+    """A learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at construction) for the query heads
+    ``heads`` (original indices, sorted), after a per-head RMS normalisation when ``normalize``."""
 
     def __init__(
-        self, heads: tuple[int, ...], head_dim: int, *, granularity: str, eps: float, param_dtype, bias: bool = False
+        self,
+        heads: tuple[int, ...],
+        head_dim: int,
+        *,
+        granularity: str,
+        eps: float,
+        param_dtype,
+        bias: bool = False,
+        normalize: bool = True,
     ):
         self.heads = tuple(heads)
         self.granularity = granularity
         self.eps = eps
+        self.normalize = normalize
         shape = (len(heads),) if granularity == "head" else (len(heads), head_dim)
         self.gamma = nnx.Param(
             jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
@@ -84,7 +98,11 @@ class ScaleFusion(nnx.Module):
         """o [B,T,len(heads),D], the touched heads in the order of ``heads`` → same shape and dtype."""
         gamma = self.gamma[...]
         gamma = gamma[:, None] if self.granularity == "head" else gamma
-        return _scale_rms_norm(o, gamma, None if self.mu is None else self.mu[...], self.eps)
+        mu = None if self.mu is None else self.mu[...]
+        if self.normalize:
+            return _scale_rms_norm(o, gamma, mu, self.eps)
+        y = o.astype(jnp.float32) * gamma.astype(jnp.float32)
+        return (y if mu is None else y + mu.astype(jnp.float32)).astype(o.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -153,7 +171,7 @@ class HydraHeadAttention(Attention):
         self.head_order = tuple(int(i) for i in np.argsort(np.asarray(self.fa_heads + self.la_heads)))
         self.gdn = GatedDeltaNetHeads(cfg, hc, self.la_groups, rngs=rngs)
         if hc.fusion != "none":
-            heads = self.la_heads if hc.fusion == "la_only" else tuple(range(cfg.num_heads))
+            heads = tuple(range(cfg.num_heads)) if hc.fusion == "both" else self.la_heads
             self.fusion = ScaleFusion(
                 heads,
                 cfg.head_dim,
@@ -161,6 +179,7 @@ class HydraHeadAttention(Attention):
                 eps=cfg.rms_norm_eps,
                 param_dtype=cfg.jnp_param_dtype,
                 bias=hc.fusion_bias,
+                normalize=hc.fusion != "la_scale",
             )
         else:
             self.fusion = None
@@ -186,7 +205,7 @@ class HydraHeadAttention(Attention):
 
     def fusion_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """What the fusion receives, in the order of ``fusion.heads`` (no cache): the LA heads' outputs for
-        ``la_only``, every head's for ``both``; [B,T,len(fusion.heads),D]. The fusion's calibration fits γ, μ on it."""
+        ``la_scale`` and ``la_only``, every head's for ``both``; [B,T,len(fusion.heads),D]. The fusion's calibration fits γ, μ on it."""
         if getattr(self, "fusion", None) is None:
             raise ValueError("this layer has no fusion (fusion='none', or every KV group is FA).")
         return self._fused_outputs(x, positions, None, None, None, fuse=False)[0]
@@ -218,7 +237,7 @@ class HydraHeadAttention(Attention):
         )
         if cache is not None:
             new_cache.update(la_cache)
-        if self.hybrid_cfg.fusion == "la_only":
+        if self.hybrid_cfg.fusion in ("la_scale", "la_only"):  # the FA heads pass through as the teacher's
             if not fuse:
                 return o_la, None
             o_la = self.fusion(o_la)

@@ -1,14 +1,21 @@
 """Calibration of the fusion scales γ and offsets μ (the fusion itself is ``hybrid.attention.ScaleFusion``).
 
-``fusion_init="rms"``: γ starts at the teacher's measured per-head attention-output RMS (before o_proj) on a
-calibration batch, so the fused heads start on the teacher's scale (μ, when there is one, stays 0):
+Below, n is what the fusion scales: the student's fusion input at initialisation, RMS-normalised per token for
+the normalising modes (n_t = RMSNorm(o^student_t), ``la_only``, ``both``) and as it is for ``la_scale`` (n_t =
+o^student_t, the output gate's result), computed from the teacher's own layer input (the layer-wise target of
+stage 1).
 
-    γ_h = sqrt(mean_{b,t,c} o^teacher_{b,t,h,c}²)       (``head``)
-    γ_{h,c} = sqrt(mean_{b,t} o^teacher_{b,t,h,c}²)     (``channel``)
+``fusion_init="rms"``: γ puts each fused head on the teacher head's measured attention-output RMS (before o_proj)
+on a calibration batch (μ, when there is one, stays 0):
+
+    γ_h = sqrt(mean_{b,t,c} o^teacher_{b,t,h,c}²) / sqrt(mean_{b,t,c} n_{b,t,h,c}²)       (``head``)
+    γ_{h,c} = sqrt(mean_{b,t} o^teacher_{b,t,h,c}²) / sqrt(mean_{b,t} n_{b,t,h,c}²)       (``channel``)
+
+For the normalising modes the denominator is 1 by construction (n has unit RMS per token, up to ε) and is not
+computed: γ is the teacher's RMS, the paper-style initialisation.
 
 ``fusion_init="fit"``: γ (and μ with ``fusion_bias``) minimise the squared error of the fused head output against
-the teacher's, given the student's normalised fusion input n_t = RMSNorm(o^student_t) at initialisation, both
-computed from the teacher's own layer input (the layer-wise target of stage 1):
+the teacher's:
 
     min_{γ_h, μ_h} Σ_t ‖γ_h n_{t,h} + μ_h − o^teacher_{t,h}‖²
 
@@ -108,16 +115,40 @@ def _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_stat
             continue
         target, _ = t_layer.self_attn.head_outputs(x, positions)  # [B,T,Hq,D], before o_proj
         target = target[:, :, np.asarray(fusion.heads)]
-        n = rms_normalize(s_layer.self_attn.fusion_inputs(x, positions), fusion.eps)
+        n = s_layer.self_attn.fusion_inputs(x, positions)
+        if fusion.normalize:
+            n = rms_normalize(n, fusion.eps)
         d = n.shape[-1]
         flat = (b * t, len(fusion.heads), d)
         fits[i] = fit_scale_and_offset(n.reshape(flat), target.reshape(flat), fusion.granularity, fusion.mu is not None)
     return fits
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 5))
+def _fusion_input_rms(teacher_graphdef, teacher_state, student_graphdef, student_state, input_ids, granularity):
+    """{layer: RMS of the fusion input} [H] or [H, D] of every un-normalised fused layer (``la_scale``), from the
+    teacher's layer inputs."""
+    teacher = nnx.merge(teacher_graphdef, teacher_state)
+    student = nnx.merge(student_graphdef, student_state)
+    inter: dict = {}
+    teacher.hidden_states(input_ids, intermediates=inter)
+    b, t = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    axes = (0, 1, 3) if granularity == "head" else (0, 1)
+    out = {}
+    for i, (s_layer, x) in enumerate(zip(student.layers, inter["attn_inputs"])):
+        fusion = getattr(s_layer.self_attn, "fusion", None)
+        if fusion is None or fusion.normalize:
+            continue
+        n = s_layer.self_attn.fusion_inputs(x, positions).astype(jnp.float32)
+        out[i] = jnp.sqrt(jnp.mean(jnp.square(n), axis=axes))
+    return out
+
+
 def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dict[int, np.ndarray]:
     """Set every fusion γ (and μ) of ``student`` from the teacher on ``input_ids`` [B,T], as the student's
-    ``fusion_init`` says: the teacher's per-head output RMS ("rms"; μ stays 0) or the least-squares fit ("fit").
+    ``fusion_init`` says: the teacher's per-head output RMS over the fusion input's ("rms"; μ stays 0) or the
+    least-squares fit ("fit").
 
     Returns {layer index: the γ written}. Layers without fusion are left alone.
     """
@@ -149,9 +180,20 @@ def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dic
         return written
     granularity = next(iter(fusions.values())).granularity
     rms = teacher_head_rms(teacher, input_ids, granularity)
+    input_rms = {}
+    if any(not f.normalize for f in fusions.values()):
+        teacher_graphdef, teacher_state = nnx.split(teacher)
+        student_graphdef, student_state = nnx.split(student)
+        ids = _calibration_ids(teacher, input_ids)
+        input_rms = _fusion_input_rms(
+            teacher_graphdef, teacher_state, student_graphdef, student_state, ids, granularity
+        )
     written = {}
     for i, fusion in fusions.items():
         gamma = rms[i][np.asarray(fusion.heads)]
+        if i in input_rms:  # un-normalised input: scale its RMS to the teacher's (a silent head keeps γ = 0)
+            n_rms = np.asarray(input_rms[i], np.float64)
+            gamma = np.where(n_rms > 0, gamma / np.maximum(n_rms, 1e-30), 0.0)
         fusion.gamma.set_value(jnp.asarray(gamma, fusion.gamma.dtype))
         written[i] = gamma
     return written

@@ -3,6 +3,7 @@
 For LA query head h (KV head h // G of the layer's LA groups), with x_t the layer input:
 
     q_t, k_t, v_t = teacher projections (+ q/k norm) → causal depthwise conv (optional) → RoPE (optional)
+    q_t ← M^q_h q_t,  k_t ← M^k_g k_t                                    (optional per-head maps, identity at init)
     a_t = x_t W_a,  b_t = x_t W_b                                         (new, one scalar per head)
     g_t = −exp(A_log) · softplus(a_t + dt_bias),   α_t = exp(g_t),   β_t = sigmoid(b_t)
     S_t = α_t S_{t−1} (I − β_t k̂_t k̂_tᵀ) + β_t k̂_t v_tᵀ                 (k̂, q̂ L2-normalised, S fp32)
@@ -20,9 +21,15 @@ Initialisation (the student should start close to the teacher):
   i.e. memories of ~10 to ~1000 tokens, long like the softmax heads they replace, and a spread so that different
   heads can specialise.
 - W_b = 0: β = gdn_beta for every token, 0.5 by default, a moderate write strength (β = 1 would overwrite a
-  key's value fully). β_t = sigmoid(x_t W_b + logit(gdn_beta)); the offset is a constant, not a parameter, so
-  the parameter tree does not depend on it.
+  key's value fully). β_t = sigmoid(x_t W_b + b), b = logit(gdn_beta): a constant of the model by default, or,
+  with ``gdn_beta_bias``, a trainable per-head parameter ``beta_bias`` [H] starting there.
+- ``gdn_init="teacher"``: dt_bias and beta_bias per head from the teacher head's mean attention distance and
+  attention entropy on the calibration batch instead (``hybrid/gdn_init.py``).
 - W_z = 0, b_z = silu⁻¹(1) ≈ 1.2785: the gate is exactly 1 at init, so the gated norm is a plain RMSNorm.
+- ``gdn_qk_map``: M^q [H_la, D, D] per LA query head and M^k [H_kv_la, D, D] per LA KV head, identity at init, applied
+  before the L2 norm: a learnable feature map with which the LA heads can re-aim the teacher's softmax q/k at the
+  delta rule's read-out while the teacher's q/k/v projections (shared with nothing else here, but the FA heads'
+  slices of the same weights) stay frozen.
 Zero kernels still get gradients (∂L/∂W = xᵀ ∂L/∂a), and they make the initial student independent of the seed.
 """
 
@@ -232,10 +239,22 @@ class GatedDeltaNetHeads(nnx.Module):
             eager_sharding=False,
         )
         self.beta_offset = math.log(hybrid_cfg.gdn_beta / (1.0 - hybrid_cfg.gdn_beta))  # logit; 0 at β = 0.5
+        if hybrid_cfg.gdn_beta_bias:
+            self.beta_bias = nnx.Param(
+                jnp.full((n,), self.beta_offset, pdt), out_sharding=("norm",), eager_sharding=False
+            )
+        else:
+            self.beta_bias = None
         if hybrid_cfg.use_conv:
             channels = (n + 2 * self.num_kv) * hd  # q of the LA query heads, k and v of their KV heads
             weight = jnp.zeros((hybrid_cfg.conv_size, channels), pdt).at[-1].set(1)
             self.conv_weight = nnx.Param(weight, out_sharding=(None, None), eager_sharding=False)
+        if hybrid_cfg.gdn_qk_map:
+            eye = jnp.eye(hd, dtype=pdt)
+            self.q_map = nnx.Param(jnp.tile(eye, (n, 1, 1)), out_sharding=("heads", None, None), eager_sharding=False)
+            self.k_map = nnx.Param(
+                jnp.tile(eye, (self.num_kv, 1, 1)), out_sharding=("heads", None, None), eager_sharding=False
+            )
         if hybrid_cfg.use_output_gate:
             self.z_proj = nnx.Linear(
                 d,
@@ -253,7 +272,8 @@ class GatedDeltaNetHeads(nnx.Module):
         a = self.a_proj(x).astype(jnp.float32)
         dt = jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * dt
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32) + self.beta_offset)
+        offset = self.beta_offset if self.beta_bias is None else self.beta_bias[...].astype(jnp.float32)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32) + offset)
         return g, beta
 
     def conv(self, q, k, v, state, segment_ids=None):
@@ -379,6 +399,10 @@ class GatedDeltaNetHeads(nnx.Module):
         if hc.la_rope:
             rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+        if hc.gdn_qk_map:
+            with jax.named_scope("gdn_qk_map"):
+                q = jnp.einsum("bthd,hde->bthe", q, self.q_map[...].astype(q.dtype))
+                k = jnp.einsum("bthd,hde->bthe", k, self.k_map[...].astype(k.dtype))
         with jax.named_scope("gdn_repeat"):
             k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
             v = jnp.repeat(v, cfg.group_size, axis=2)

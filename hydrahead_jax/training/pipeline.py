@@ -18,7 +18,8 @@ from hydrahead_jax.config import ConfigError, ModelConfig, with_rope_extension
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
-from hydrahead_jax.hybrid import HeadMap, build_model, build_student, new_param_filter
+from hydrahead_jax.hybrid import HeadMap, build_model, build_student
+from hydrahead_jax.hybrid.build import trainable_filter
 from hydrahead_jax.run_config import (
     PROBE_METHODS,
     SELECT,
@@ -44,8 +45,6 @@ from hydrahead_jax.training.steps import cast_like, f32_param_target
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
 
 log = logging.getLogger(__name__)
-
-TRAINABLE = {"new": new_param_filter, "all": nnx.Param}  # StageConfig.train -> nnx filter of the trained params
 
 
 def stage_range(only_stage: str | None, until_stage: str | None) -> list[str]:
@@ -305,6 +304,7 @@ def _run_locked(
             seed=seed,
             vocab_size=cfg.vocab_size,
             synthetic_rate=scfg.synthetic_rate,
+            synthetic_loss=scfg.synthetic_loss,
             tokenizer=tokenizer,
             store_path=store,
             batch_rows=rows,
@@ -344,7 +344,7 @@ def _run_locked(
             stage=stage,
             config=scfg,
             directory=stage_dir,
-            trainable=TRAINABLE[scfg.train],
+            trainable=trainable_filter(scfg.train, scfg.lr_scales),
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
             mask_documents=run.data.mask_documents,
