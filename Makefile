@@ -2,6 +2,7 @@
 #   make demo   create .venv (Python >= 3.12), install, convert the real SmolLM2-135M teacher on real text
 #   make test   install the test extras (torch/transformers oracle) and run the test suite
 #   make compare  issue 17's equal-budget comparison of 17 conversion variants on SmolLM2 (about 5.5 h on 2 cores)
+#   make reproduce  issue 30's controlled reproduction of the paper's claims on a small teacher trained here
 # Both are idempotent: a second run reuses the environment and skips finished work.
 
 PYTHON ?= $(shell scripts/find_python.sh)
@@ -11,7 +12,7 @@ PIP := $(PY) -m pip
 WORKDIR ?= runs/smollm2_demo
 PYTEST_ARGS ?=
 
-.PHONY: demo compare test lint format install install-dev bench gpu-check clean-venv
+.PHONY: demo compare reproduce test lint format install install-dev bench gpu-check clean-venv
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; see the message above." >&2; exit 1; }
@@ -47,8 +48,15 @@ compare: $(VENV)/.installed
 	$(PY) -m hydrahead_jax.experiments.compare --config configs/compare_smollm2.py --workdir $(COMPARE_DIR) $(COMPARE_ARGS)
 	@echo "Report: $(COMPARE_DIR)/report.md (plots: pareto.png, loss_curves.png; everything: results.json)"
 
+# Resumable: rerun after an interruption (finished parts are skipped); REPRODUCE_ARGS='--only=teacher' splits it.
+REPRODUCE_DIR ?= runs/reproduction
+REPRODUCE_ARGS ?=
+reproduce: $(VENV)/.installed
+	$(PY) -m hydrahead_jax.experiments.reproduce --workdir $(REPRODUCE_DIR) $(REPRODUCE_ARGS)
+	@echo "Report: bench/results/reproduction/report.md (claims, teacher, every run: results.json)"
+
 test: $(VENV)/.installed-dev lint
-	$(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	HYDRAHEAD_REQUIRE_ORACLES=1 $(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Lint and format check (pyproject.toml); `make format` rewrites the tree in the house style.
 lint: $(VENV)/.installed-dev

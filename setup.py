@@ -44,6 +44,9 @@ setup(
             "transformers>=5.0",
             "accelerate",
             "ruff>=0.15",
+            # The TPU compiler, for the compile tier's compile-only TPU devices (no TPU needed): the version
+            # jax[tpu] pins for the jax this project is tried with (jax 0.12.0.x -> libtpu 0.0.50.x).
+            "libtpu==0.0.50.1",
         ],
         "gpu": ["jax[cuda12]>=0.11.2"],
         "tpu": ["jax[tpu]>=0.11.2"],

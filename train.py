@@ -10,7 +10,9 @@ hydrahead_jax.run_config.RunConfig; a bad key or value is refused with the key a
 Rerunning on the same workdir resumes: finished stages are skipped, an unfinished one continues from its last
 checkpoint exactly. A workdir that holds a run of another config is refused unless --force_new; a stage's lr
 and steps/tokens may change on a rerun (it continues with them; a finished stage given more steps trains on and
-the stages after it rerun). One run owns a workdir at a time (a lock a killed run does not leave behind).
+the stages after it rerun). A checkpoint whose files are damaged is set aside and the previous one used; one
+that does not match the run, or cannot be read, stops the run with nothing moved (--restart_stage=NAME trains
+that stage over instead). One run owns a workdir at a time (a lock a killed run does not leave behind).
 SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
 
 Multi-process (--config.distributed=True): every process runs the same command; jax.distributed.initialize()
@@ -45,6 +47,13 @@ _FORCE_NEW = flags.DEFINE_bool(
     False,
     "Start over in a workdir that holds a run of another config "
     "(the old run is moved aside to WORKDIR.replaced-<time>).",
+)
+_RESTART = flags.DEFINE_enum(
+    "restart_stage",
+    None,
+    STAGE_NAMES[1:],
+    "Train this stage from step 0 (its checkpoints are moved aside to <stage dir>.restarted-<time>; the stages "
+    "after it rerun): the consent to start over a stage whose checkpoints do not restore.",
 )
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address",
@@ -173,7 +182,14 @@ def main(argv):
             # reuses compiled steps instead of paying minutes of XLA compilation again.
             jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-        run_pipeline(run, _WORKDIR.value, only_stage=_ONLY.value, until_stage=_UNTIL.value, force_new=_FORCE_NEW.value)
+        run_pipeline(
+            run,
+            _WORKDIR.value,
+            only_stage=_ONLY.value,
+            until_stage=_UNTIL.value,
+            force_new=_FORCE_NEW.value,
+            restart_stage=_RESTART.value,
+        )
     except USER_ERRORS as error:
         _fail(str(error))
     except Preempted as stop:

@@ -156,22 +156,48 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def goal_line(name: str, value: float | None, target: float, *, unit: str = "x", why_missed: str = "") -> str:
-    """'goal met' / 'goal missed' / 'goal not measured' line (never an exception: benches fail only on errors)."""
+def goal_line(
+    name: str, value: float | None, aim: float, *, unit: str = "x", at_most: bool = False, why_missed: str = ""
+) -> str:
+    """'NAME = 1.43x (aim <= 1.5x): met' — the measured ratio as it is, beside the aim it is held to, worded the
+    same way round (``name`` says which quantity is divided by which; ``at_most``: the aim is an upper bound).
+    Never an exception: benchmarks fail only on errors."""
+    op = "<=" if at_most else ">="
     if value is None:
-        return f"goal not measured: {name} (target >= {target:g}{unit}){': ' + why_missed if why_missed else ''}"
-    status = "met" if value >= target else "missed"
-    extra = f" — {why_missed}" if status == "missed" and why_missed else ""
-    return f"goal {status}: {name} = {value:.2f}{unit} (target >= {target:g}{unit}){extra}"
+        return f"{name}: not measured (aim {op} {aim:g}{unit}){': ' + why_missed if why_missed else ''}"
+    met = value <= aim if at_most else value >= aim
+    extra = f" — {why_missed}" if not met and why_missed else ""
+    return f"{name} = {value:.2f}{unit} (aim {op} {aim:g}{unit}): {'met' if met else 'missed'}{extra}"
 
 
 def append_results(title: str, body: str, *, settings: str, record: bool = True) -> None:
-    """Print the section and append it (with machine, versions, date, load and settings) to bench/RESULTS.md."""
-    section = f"\n## {title}\n\n- machine: {machine_line()}\n- settings: {settings}\n\n{body.rstrip()}\n"
-    print(section)
+    """Print the section and, with ``record``, make it bench/RESULTS.md's one section titled ``title`` (with
+    machine, versions, date, load and settings): a section of that title is replaced where it stands, else the
+    section is added at the end. Earlier figures of the benchmark stay in git history."""
+    command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    section = (
+        f"## {title}\n\n- command: `{command}`\n- machine: {machine_line()}\n- settings: {settings}\n\n"
+        f"{body.rstrip()}\n"
+    )
+    print("\n" + section)
     if not record:
         return
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nRows are appended by the scripts in bench/ (newest last).\n")
-    with RESULTS.open("a") as f:
-        f.write(section)
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    RESULTS.write_text(replace_section(text, title, section))
+
+
+def replace_section(text: str, title: str, section: str) -> str:
+    """``text`` (markdown) with its ``## title`` sections replaced by ``section`` (once, where the first stood),
+    or with ``section`` added at the end when it has none."""
+    parts, kept, placed = text.split("\n## "), [], False
+    head, sections = parts[0], parts[1:]
+    for part in sections:
+        if part.split("\n", 1)[0].strip() == title:
+            if not placed:
+                kept.append(section[len("## ") :].rstrip("\n") + "\n")
+                placed = True
+            continue
+        kept.append(part)
+    if not placed:
+        kept.append(section[len("## ") :].rstrip("\n") + "\n")
+    return "\n## ".join([head.rstrip("\n") + "\n"] + [k.rstrip("\n") + "\n" for k in kept])

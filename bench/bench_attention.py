@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -359,7 +360,7 @@ def goals(all_results) -> list[str]:
     for cfg, summary in all_results.values():
         s = summary.get(("fwdbwd", 8192))
         if s is None:
-            lines.append(f"goal not measured: {cfg.name} HydraHead 7:1 fwd+bwd at T=8K (T=8192 not in this run)")
+            lines.append(f"{cfg.name} HydraHead 7:1 fwd+bwd at T=8K: not measured (T=8192 not in this run)")
         else:
             tv, mv = s
             why = (
@@ -368,24 +369,23 @@ def goals(all_results) -> list[str]:
             )
             lines.append(
                 C.goal_line(
-                    f"{cfg.name} HydraHead 7:1 block fwd+bwd T=8K speed vs teacher (blockwise FA)",
+                    f"{cfg.name} block fwd+bwd T=8K time, teacher (blockwise FA) / HydraHead 7:1",
                     ratio(tv["teacher"], tv["HydraHead 7:1"]),
                     4,
                     why_missed=why,
                 )
             )
-            lines.append(
+            lines.append(  # both are O(T) with a blockwise teacher (docs/design.md §10): the aim is a bound on the excess
                 C.goal_line(
-                    f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs teacher (blockwise FA)",
-                    ratio(mv["teacher"], mv["HydraHead 7:1"]),
-                    4,
-                    why_missed="both are O(T) with a blockwise teacher (docs/design.md §10); the memory win is against "
-                    "materialising attention and in the decode cache",
+                    f"{cfg.name} block fwd+bwd T=8K peak memory, HydraHead 7:1 / teacher (blockwise FA)",
+                    ratio(mv["HydraHead 7:1"], mv["teacher"]),
+                    1.5,
+                    at_most=True,
                 )
             )
             lines.append(
                 C.goal_line(
-                    f"{cfg.name} HydraHead 7:1 fwd+bwd T=8K peak memory vs XLA materialising attention",
+                    f"{cfg.name} block fwd+bwd T=8K peak memory, XLA materialising attention / HydraHead 7:1",
                     ratio(mv["xla-dense"], mv["HydraHead 7:1"]),
                     4,
                 )
@@ -393,8 +393,8 @@ def goals(all_results) -> list[str]:
         s32 = summary.get(("fwdbwd", 32768))
         runs = s32 is not None and s32[0]["HydraHead 7:1"] is not None
         lines.append(
-            f"goal {'met' if runs else 'not met/not measured'}: {cfg.name} HydraHead 7:1 fwd+bwd runs "
-            f"at T=32K" + (f" ({C.fmt_s(s32[0]['HydraHead 7:1'])} per layer)" if runs else "")
+            f"{cfg.name} HydraHead 7:1 fwd+bwd at T=32K (aim: runs): "
+            + (f"{C.fmt_s(s32[0]['HydraHead 7:1'])} per layer, met" if runs else "not run")
         )
     return lines
 
@@ -413,17 +413,26 @@ def main(argv=None):
     )
     ap.add_argument("--time-max-seq", type=int, default=32768, help="above this T report memory only")
     ap.add_argument("--dense-time-max", type=int, default=4096, help="largest T at which xla-dense is timed")
-    ap.add_argument("--plot", default=str(Path(__file__).with_name("scaling.png")))
+    ap.add_argument(
+        "--plot",
+        default=None,
+        help="where the scaling plot goes (default: bench/scaling.png when recording, else "
+        "$TMPDIR/hydrahead_bench/scaling.png: a --no-record run leaves the checkout as it was)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
         help="smoke settings: SmolLM2 shapes, T 256, fwd+bwd, 1 repeat, no plot, nothing recorded",
     )
-    ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md or bench/scaling.png")
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.seq, args.modes, args.repeats = ["smollm2"], [256], ["fwdbwd"], 1
         args.plot, args.no_record = "", True
+    if args.plot is None:
+        scratch = Path(tempfile.gettempdir()) / "hydrahead_bench"
+        args.plot = str(scratch / "scaling.png" if args.no_record else Path(__file__).with_name("scaling.png"))
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
 
     all_results, bodies = {}, []
     for name in args.shapes:

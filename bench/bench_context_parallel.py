@@ -300,10 +300,12 @@ def main(argv=None):
     one, split = results[T_last]
     goals = [
         C.goal_line(
-            f"7:1 layer memory seq=1 / seq={n} at T={T_last}", _ratio(one["7:1"]["mem"], split["7:1"]["mem"]), 6.0
+            f"7:1 layer memory per device, seq=1 / seq={n} at T={T_last}",
+            _ratio(one["7:1"]["mem"], split["7:1"]["mem"]),
+            6.0,
         ),
         C.goal_line(
-            f"teacher / 7:1 collective bytes at T={T_last}",
+            f"collective bytes at T={T_last}, teacher / 7:1",
             _ratio(split["teacher"]["bytes"], split["7:1"]["bytes"]),
             4.0,
         ),

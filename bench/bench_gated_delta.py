@@ -247,7 +247,7 @@ def main(argv=None):
         long = [ratios[(mode, T)] for T in args.seq if T >= 4096 and (mode, T) in ratios]
         goal_lines.append(
             C.goal_line(
-                f"gated delta rule {mode} throughput vs torch, min over T >= 4K",
+                f"gated delta rule {mode} time, torch / ours, min over T >= 4K",
                 min(long) if long else None,
                 2.0,
                 why_missed="see the gated delta notes in RESULTS.md",

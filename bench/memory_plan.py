@@ -9,7 +9,13 @@ config.json), the teacher folder named by the recipe when it exists, or the reci
 random teacher; parameters use the recipe's teacher dtype. The head map has the recipe's FA budget (ratio,
 allocation; ``random`` groups stand in for probe-selected ones: the memory depends on the count per layer only).
 ``--fit`` compiles larger ``micro_batches`` until each stage fits ``--device_memory_gb`` (95 % of it, leaving room
-for the runtime) and prints the setting. Figures are XLA CPU compiles: a GPU/TPU compile fuses differently.
+for the runtime) and prints the setting. By default the figures are XLA CPU compiles (a GPU/TPU compile fuses
+differently); ``--platform tpu --topology v5p:4x4x2`` compiles each stage with the real TPU compiler for every chip
+of that slice (libtpu's compile-only devices, no TPU needed: pallas_kernels.cross_compile), the Pallas TPU kernels
+included, and holds the per-chip figure against the chip's HBM:
+
+    python bench/memory_plan.py --config configs/qwen3_1p7b_hydrahead.py:7to1 --shapes qwen3 \
+        --platform tpu --topology v5p:4x4x2     # 32 v5p chips (Cloud TPU's "v5p-64": 64 TensorCores)
 """
 
 from __future__ import annotations
@@ -34,8 +40,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a recipe file, optionally with :variant (configs/x.py:7to1)")
     p.add_argument("--devices", type=int, default=8, help="simulated devices (the mesh must use all of them)")
+    p.add_argument("--platform", choices=("cpu", "tpu"), default="cpu", help="cpu: simulated devices; tpu: libtpu")
+    p.add_argument("--topology", default="", help="with --platform tpu: the slice, e.g. v5p:4x4x2 or v5e:4x4")
     p.add_argument("--mesh", default="", help="mesh sizes overriding the recipe's, e.g. fsdp=8 or data=4,fsdp=8")
-    p.add_argument("--device_memory_gb", type=float, default=80.0, help="memory of one device (GB = 1e9 bytes)")
+    p.add_argument(
+        "--device_memory_gb",
+        type=float,
+        default=0.0,
+        help="memory of one device (GB = 1e9 bytes; 0: 80, or the TPU's HBM)",
+    )
     p.add_argument("--shapes", default="", help="model shapes from bench_attention.SHAPES (e.g. qwen3)")
     p.add_argument("--model_config", default="", help="a Hugging Face config.json giving the model shapes")
     p.add_argument("--layers", type=int, default=0, help="override the layer count (quick looks; 0 = the model's)")
@@ -44,6 +57,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error("--devices must be >= 1")
+    if (args.platform == "tpu") != bool(args.topology):
+        p.error("--platform tpu needs --topology (e.g. v5p:4x4x2), and --topology needs --platform tpu")
     bad = [s for s in args.stages.split(",") if s not in STAGES]
     if bad:
         p.error(f"--stages: unknown {bad}; choose from {STAGES}")
@@ -112,6 +127,12 @@ def plan_head_map(run, cfg):
     return HeadMap.from_fa_groups(cfg, groups, method=f"plan:{method}", target_ratio=sel.settings.ratio)
 
 
+def _libtpu_version() -> str:
+    from importlib.metadata import version
+
+    return version("libtpu")
+
+
 def main(argv=None):
     args = parse_args(argv)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -132,15 +153,26 @@ def main(argv=None):
         sizes[name] = int(value)
     if "data=" not in args.mesh and -1 not in sizes.values():
         sizes["data"] = -1  # the data axis fills the devices the other axes leave
-    mesh = shd.make_mesh(**sizes, devices=jax.devices()[: args.devices])
+    device_bytes = args.device_memory_gb * 1e9 or 80e9
+    if args.platform == "tpu":
+        from pallas_kernels import cross_compile
+
+        devices = cross_compile.tpu_devices(args.topology)
+        kind = devices[0].device_kind
+        device_bytes = args.device_memory_gb * 1e9 or cross_compile.TPU_HBM_BYTES[kind]
+        where = f"{len(devices)} {kind} chips of {args.topology} (libtpu {_libtpu_version()}, compile-only)"
+    else:
+        devices = jax.devices()[: args.devices]
+        where = f"{args.devices} simulated CPU devices"
+    mesh = shd.make_mesh(**sizes, devices=devices)
     cfg = model_config(run, args)
     head_map = plan_head_map(run, cfg)
-    limit = int(args.device_memory_gb * 1e9 * HEADROOM)
+    limit = int(device_bytes * HEADROOM)
     print(
         f"# {args.config}: {cfg.name}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, params {cfg.param_dtype}; "
         f"head map {head_map.num_fa_groups()} FA groups of {cfg.num_layers * cfg.num_kv_heads}; "
-        f"mesh {dict(mesh.shape)} ({args.devices} devices); budget {limit / memory.GiB:.1f} GiB per device "
-        f"({HEADROOM:.0%} of {args.device_memory_gb:g} GB)",
+        f"mesh {dict(mesh.shape)} on {where}; budget {limit / memory.GiB:.1f} GiB per device "
+        f"({HEADROOM:.0%} of {device_bytes / memory.GiB:.1f} GiB)",
         flush=True,
     )
     data_parallel = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])

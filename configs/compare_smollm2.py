@@ -47,6 +47,11 @@ def get_config(arg: str | None = None):
     # fitted initialisation is the "fit" variants.
     base.hybrid.fusion_init = "rms"
     base.hybrid.fusion_bias = False
+    # The fusion and GDN initialisation these variants were run with (the demo recipe has moved on since).
+    base.hybrid.fusion = "both"
+    base.hybrid.gdn_init = "spread"
+    base.hybrid.gdn_beta_bias = False
+    base.hybrid.gdn_dt_max = 0.1
     base.logging.progress = False  # one line per stage and variant from the comparison instead of 17 × 3 bars
     # Held-out points at the scaled budget (30 / 12 / 6 steps): about four per stage, for the loss curves.
     base.stage1.heldout_every = 10

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -15,6 +16,100 @@ DTYPE_NAMES = tuple(_DTYPES)
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a working model; the message names the field and the fix."""
+
+
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling, as transformers' ``modeling_rope_utils`` defines each ``rope_type``.
+
+    With inv_freq_i = θ^(−2i/d) (i < d/2), L0 = ``original_max_position_embeddings`` (the pre-training length) and
+    L = max(positions) + 1 of the current call:
+
+        linear    inv_i / factor                                          (position interpolation)
+        dynamic   θ' = θ · (factor·max(L, L0)/L0 − (factor − 1))^(d/(d−2)), inv_i = θ'^(−2i/d)   (NTK by length)
+        yarn      inv_i · ((1 − r_i)/factor + r_i), r_i = 1 − clamp((i − lo)/(hi − lo), 0, 1), where lo, hi are the
+                  dims turning beta_fast / beta_slow times over L0; cos/sin are scaled by the attention factor
+                  (default 0.1·ln(factor) + 1, or the mscale / mscale_all_dim ratio)
+        llama3    wavelength λ_i = 2π/inv_i: λ_i < L0/high_freq_factor keeps inv_i, λ_i > L0/low_freq_factor takes
+                  inv_i/factor, and in between (1 − s)·inv_i/factor + s·inv_i, s = (L0/λ_i − low)/(high − low)
+        longrope  inv_i / e_i with e = long_factor when L > L0, else short_factor; cos/sin scaled by the attention
+                  factor (default sqrt(1 + ln(factor)/ln(L0)))
+
+    ``original_max_position_embeddings`` None means the model's ``max_position_embeddings`` (transformers' default);
+    ``ModelConfig`` fills it in. A dynamic scaling takes L0 = the model's ``max_position_embeddings``, as
+    transformers does. The attention factor multiplies cos and sin, so it scales every score by its square.
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None  # yarn, longrope: None derives it from factor (see above)
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: floor/ceil the correction range
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    short_factor: tuple[float, ...] | None = None  # longrope, d/2 values
+    long_factor: tuple[float, ...] | None = None  # longrope, d/2 values
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"RoPE scaling type {self.rope_type!r} is not supported; choose one of {ROPE_TYPES} "
+                "(or no scaling for plain RoPE)."
+            )
+        for field in ("short_factor", "long_factor"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, tuple(float(x) for x in value))
+        if not self.factor > 0:
+            raise ConfigError(f"RopeScaling.factor must be > 0, got {self.factor}.")
+        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings <= 0:
+            raise ConfigError(
+                f"RopeScaling.original_max_position_embeddings must be positive, got "
+                f"{self.original_max_position_embeddings}."
+            )
+        if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None):
+            raise ConfigError("a llama3 RoPE scaling needs low_freq_factor and high_freq_factor (Llama-3.1: 1 and 4).")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                f"llama3 RoPE scaling: high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}."
+            )
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ConfigError("a longrope RoPE scaling needs short_factor and long_factor (head_dim/2 values each).")
+
+    def resolved_attention_factor(self) -> float:
+        """The factor cos and sin are multiplied by (1 for linear, dynamic and llama3)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.rope_type == "yarn":
+
+            def mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            if self.mscale and self.mscale_all_dim:
+                return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+            return mscale(self.factor)
+        if self.rope_type == "longrope" and self.factor > 1:
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RopeScaling:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"Unknown RopeScaling fields {unknown}; valid fields are {sorted(known)}.")
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +133,7 @@ class ModelConfig:
     # False: Hugging Face half-split rotary layout (x[:d/2], x[d/2:]); True: interleaved pairs (x[0::2], x[1::2]),
     # the layout llama.cpp's GGUF files store Q/K rows in.
     rope_interleaved: bool = False
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head before RoPE.
@@ -78,8 +174,30 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}; choose one of {tuple(_DTYPES)}.")
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}.")
+        self._check_rope_scaling()
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}.")
+
+    def _check_rope_scaling(self) -> None:
+        """Accept a dict (from JSON) for ``rope_scaling``, fill its pre-training length, and check its shape."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if isinstance(scaling, dict):
+            scaling = RopeScaling.from_dict(scaling)
+        if not isinstance(scaling, RopeScaling):
+            raise ConfigError(f"ModelConfig.rope_scaling must be a RopeScaling, a dict or None; got {scaling!r}.")
+        if scaling.rope_type == "dynamic" or scaling.original_max_position_embeddings is None:
+            # transformers: dynamic NTK scales relative to max_position_embeddings; the others default to it.
+            scaling = dataclasses.replace(scaling, original_max_position_embeddings=self.max_position_embeddings)
+        if scaling.rope_type == "longrope":
+            for field in ("short_factor", "long_factor"):
+                if len(getattr(scaling, field)) != self.head_dim // 2:
+                    raise ConfigError(
+                        f"longrope {field} has {len(getattr(scaling, field))} values; head_dim={self.head_dim} "
+                        f"needs {self.head_dim // 2}."
+                    )
+        object.__setattr__(self, "rope_scaling", scaling)
 
     @property
     def group_size(self) -> int:
@@ -98,7 +216,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; ``rope_scaling`` only when set, so a plain-RoPE config reads as it did before scaling
+        existed (run fingerprints and exported ``model_config.json`` files stay valid)."""
+        out = dataclasses.asdict(self)
+        if out["rope_scaling"] is None:
+            del out["rope_scaling"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -110,3 +233,47 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+EXTENSION_TYPES = ("linear", "dynamic", "yarn")
+
+
+def parse_rope_extension(spec: str) -> tuple[str, float, int | None]:
+    """``"TYPE:FACTOR[:ORIGINAL_LENGTH]"`` (e.g. ``"yarn:4"``, ``"yarn:4:8192"``) → (type, factor, length or None).
+
+    The context-extension setting of the long stage; raises ConfigError with the accepted form."""
+    parts = spec.split(":")
+    form = "TYPE:FACTOR[:ORIGINAL_LENGTH] with TYPE in " + "/".join(EXTENSION_TYPES) + ", e.g. yarn:4"
+    if len(parts) not in (2, 3) or parts[0] not in EXTENSION_TYPES:
+        raise ConfigError(f"RoPE extension {spec!r}: write {form}.")
+    try:
+        factor = float(parts[1])
+        original = int(parts[2]) if len(parts) == 3 else None
+    except ValueError:
+        raise ConfigError(
+            f"RoPE extension {spec!r}: the factor must be a number and the length an integer ({form})."
+        ) from None
+    if not factor > 1 or (original is not None and original <= 0):
+        raise ConfigError(f"RoPE extension {spec!r}: the factor must be > 1 and the length positive ({form}).")
+    return parts[0], factor, original
+
+
+def with_rope_extension(cfg: ModelConfig, spec: str) -> ModelConfig:
+    """``cfg`` with its positions extended by ``spec`` (``parse_rope_extension``) for long-context training.
+
+    yarn / linear scale from the original length L0 (default: ``cfg.max_position_embeddings``) to factor·L0, which
+    becomes the new ``max_position_embeddings``; dynamic NTK scales relative to ``max_position_embeddings`` itself.
+    A config that already carries a RoPE scaling is refused: two scalings do not compose."""
+    kind, factor, original = parse_rope_extension(spec)
+    if cfg.rope_scaling is not None:
+        raise ConfigError(
+            f"RoPE extension {spec!r}: the model already uses RoPE scaling {cfg.rope_scaling.rope_type!r} "
+            f"(factor {cfg.rope_scaling.factor}); extending on top of it is not supported. Fix: no stage-3 extension."
+        )
+    original = original or cfg.max_position_embeddings
+    if kind == "dynamic":
+        return cfg.replace(rope_scaling=RopeScaling("dynamic", factor=factor), max_position_embeddings=original)
+    return cfg.replace(
+        rope_scaling=RopeScaling(kind, factor=factor, original_max_position_embeddings=original),
+        max_position_embeddings=int(round(original * factor)),
+    )

@@ -175,26 +175,52 @@ def load_hydrahead(path: str | Path, *, device=None):
     graphdef, abs_state = nnx.split(abstract)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), nnx.as_pure(abs_state))
+    from hydrahead_jax.training.checkpoint import (
+        CheckpointMismatchError,
+        DamagedCheckpointError,
+        check_matches,
+        check_step_files,
+        restore_step,
+        stored_metadata,
+    )
+
+    def check_files():
+        check_step_files(path, ["params"], pytree_items=("params",))
+
+    def check():  # the arrays of params/ against the model its config files describe, before any is read
+        check_files()
+        check_matches({"params": stored_metadata(path / "params")}, {"params": target}, where=f"{path}/params")
+
     try:
+        per_layer = restore_step(
+            path / "params", lambda: _per_layer(stored_metadata(path / "params")), check=check_files
+        )
         with ocp.StandardCheckpointer() as ckptr:
-            try:
-                state = ckptr.restore(path / "params", target)
-            except Exception:  # noqa: BLE001 — an export written before the layers were stacked, or damaged
-                raw = ckptr.restore(path / "params")
-                if not _per_layer(raw):
-                    raise
-                state = jax.device_put(stack_per_layer_export(raw, abs_state, cfg, head_map, hybrid_cfg), sharding)
-    except Exception as err:  # noqa: BLE001 — Orbax/TensorStore raise many types for a damaged checkpoint
-        raise DamagedExportError(path, f"params/ does not restore ({_short(err)})") from None
+            # Damage or a mismatch is the export's (its files disagree); a read that keeps failing raises
+            # CheckpointReadError, anything else propagates: neither says the export is damaged.
+            if per_layer:  # written before the layers were one stack: read as stored, then converted
+                raw = restore_step(path / "params", lambda: ckptr.restore(path / "params"), check=check_files)
+                try:
+                    state = stack_per_layer_export(raw, abs_state, cfg, head_map, hybrid_cfg)
+                except (KeyError, ValueError) as err:
+                    raise CheckpointMismatchError(
+                        f"{path}/params (per-layer layout) does not match its config files ({err})"
+                    ) from None
+                state = jax.device_put(state, sharding)
+            else:
+                state = restore_step(path / "params", lambda: ckptr.restore(path / "params", target), check=check)
+    except (DamagedCheckpointError, CheckpointMismatchError) as err:
+        raise DamagedExportError(path, f"params/ does not restore ({err})") from None
     model = nnx.merge(graphdef, state)
     return model, _load_tokenizer(path)
 
 
-def _per_layer(raw) -> bool:
-    """Whether restored parameters are in the per-layer layout of exports written before the layers were one
-    stack (``layers`` holds one subtree per layer index)."""
-    layers = raw.get("layers") if isinstance(raw, dict) else None
-    return isinstance(layers, dict) and "0" in {str(k) for k in layers}
+def _per_layer(metadata) -> bool:
+    """Whether saved parameters (their Orbax metadata) are in the per-layer layout of exports written before the
+    layers were one stack (``layers`` holds one subtree per layer index: arrays named layers.0.…)."""
+    from hydrahead_jax.training.checkpoint import _stored_leaves, per_layer_names
+
+    return per_layer_names(_stored_leaves(metadata))
 
 
 def stack_per_layer_export(raw: dict, abs_state, cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig):

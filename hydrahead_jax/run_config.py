@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig
+from hydrahead_jax.config import DTYPE_NAMES, ConfigError, ModelConfig, parse_rope_extension
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.selection.select import METHODS, SelectionConfig, SelectionError, validate_config
 
@@ -48,6 +48,7 @@ STAGES = (
 SELECT = "select"  # stage 0: the head map
 STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
 TRAIN_CHOICES = ("new", "all")
+SYNTHETIC_LOSSES = ("answer", "full")  # data.mixture.synthetic_row's loss choices
 MASTER_DTYPES = ("float32", "param")
 LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
 PROBE_METHODS = ("retrieval", "ablation", "combined")  # need the teacher's tokenizer
@@ -203,7 +204,14 @@ class StageConfig:
     batch_size: int = 8  # global rows per step
     lr: float = 1e-3
     warmup_steps: int = 10
+    warmup_fraction: float = 0.0  # > 0: warm-up over this fraction of the stage's steps (replaces warmup_steps)
+    warmup_start_ratio: float = 0.0  # the warm-up starts at lr · this (0: at lr 0)
     end_lr_ratio: float = 0.1
+    # learning rate of each parameter group = lr · its scale (``training.steps.PARAM_GROUPS``): the new GDN/fusion
+    # parameters, the copied attention weights, everything else; a group whose scale is 0 is frozen (not trained).
+    lr_scale_new: float = 1.0
+    lr_scale_attention: float = 1.0
+    lr_scale_other: float = 1.0
     weight_decay: float = 0.0
     clip_norm: float = 1.0  # 0 = no clipping
     loss_chunk: int = 512  # tokens per chunk of the logits losses
@@ -213,15 +221,26 @@ class StageConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2  # confirmed checkpoints kept, plus the newest while its next step's loss is read
     synthetic_rate: float = 0.0  # fraction of synthetic retrieval rows (corpus sources only)
+    # where a synthetic row carries loss: "answer" (its answer tokens) or "full" (every token of the row: stage 2's KL
+    # to the teacher, stage 3's KL/CE, over the haystack, needle and question too)
+    synthetic_loss: str = "answer"
     kl_weight: float = 0.0  # long stage: + kl_weight · KL(teacher ‖ student)
     ce_weight: float = 0.0  # next-token cross-entropy weight (the long stage needs it or kl_weight > 0)
     temperature: float = 1.0  # of the KL
     remat: bool = False
     heldout_rows: int = 4  # rows of the fixed held-out batch (at the stage's seq_len); 0 = no held-out evaluation
     heldout_every: int = 0  # held-out evaluation every this many steps, besides step 0 and the last step
+    # long stage: a RoPE scaling for the student's FA heads from this stage on, carried into the export:
+    # "TYPE:FACTOR[:ORIGINAL_LENGTH]", e.g. "yarn:4" (config.with_rope_extension); "" keeps the teacher's RoPE
+    rope_scaling: str = ""
 
     def __post_init__(self):
         s = "stage"
+        if self.rope_scaling:
+            try:
+                parse_rope_extension(self.rope_scaling)
+            except ConfigError as err:
+                raise _FieldError(s, "rope_scaling", self.rope_scaling, str(err), "yarn:4") from None
         _require(self.train in TRAIN_CHOICES, s, "train", self.train, f"choose one of {TRAIN_CHOICES}", "all")
         _require(self.steps >= 0, s, "steps", self.steps, "must be >= 0", "a step count, or 0 to use tokens")
         _require(self.tokens >= 0, s, "tokens", self.tokens, "must be >= 0", "a token budget, or 0 to use steps")
@@ -232,10 +251,39 @@ class StageConfig:
             _require(getattr(self, name) >= 1, s, name, getattr(self, name), "must be >= 1", "a positive integer")
         _require(math.isfinite(self.lr) and self.lr > 0, s, "lr", self.lr, "must be a finite number > 0", "1e-4")
         _require(self.warmup_steps >= 0, s, "warmup_steps", self.warmup_steps, "must be >= 0", "10")
+        _require(
+            0 <= self.warmup_fraction < 1,
+            s,
+            "warmup_fraction",
+            self.warmup_fraction,
+            "must be in [0, 1) (a fraction of the stage's steps; 0 uses warmup_steps)",
+            "0.05",
+        )
+        _require(
+            0 <= self.warmup_start_ratio <= 1,
+            s,
+            "warmup_start_ratio",
+            self.warmup_start_ratio,
+            "must be in [0, 1] (the first step's lr as a fraction of lr)",
+            "0.1",
+        )
+        for name in ("lr_scale_new", "lr_scale_attention", "lr_scale_other"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value >= 0, s, name, value, "must be a finite number >= 0 (0 freezes)", "1.0"
+            )
         _require(0 <= self.end_lr_ratio <= 1, s, "end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]", "0.1")
         for name in ("weight_decay", "clip_norm", "kl_weight", "ce_weight"):
             _require(getattr(self, name) >= 0, s, name, getattr(self, name), "must be >= 0", "0")
         _require(0 <= self.synthetic_rate < 1, s, "synthetic_rate", self.synthetic_rate, "must be in [0, 1)", "0.1")
+        _require(
+            self.synthetic_loss in SYNTHETIC_LOSSES,
+            s,
+            "synthetic_loss",
+            self.synthetic_loss,
+            f"choose one of {SYNTHETIC_LOSSES}",
+            "full",
+        )
         _require(self.temperature > 0, s, "temperature", self.temperature, "must be > 0", "1.0")
         _require(self.loss_chunk_rows >= 0, s, "loss_chunk_rows", self.loss_chunk_rows, "must be >= 0", "0 (all rows)")
         _require(self.micro_batches >= 1, s, "micro_batches", self.micro_batches, "must be >= 1", "1")
@@ -271,6 +319,18 @@ class StageConfig:
         if self.steps > 0:
             return self.steps
         return max(1, -(-self.tokens // (self.batch_size * self.seq_len)))
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps: ``warmup_fraction`` of the stage's steps (at least 1) when set, else ``warmup_steps``."""
+        if self.warmup_fraction > 0:
+            return max(1, round(self.warmup_fraction * self.total_steps))
+        return self.warmup_steps
+
+    @property
+    def lr_scales(self) -> dict[str, float]:
+        """{parameter group: lr scale} (``training.steps.PARAM_GROUPS``)."""
+        return {"new": self.lr_scale_new, "attention": self.lr_scale_attention, "other": self.lr_scale_other}
 
     @property
     def tokens_per_step(self) -> int:
@@ -375,6 +435,11 @@ class RunConfig:
                 raise ConfigError(
                     f"{where}.synthetic_rate={cfg.synthetic_rate}: synthetic retrieval rows are mixed into a corpus, "
                     f"and data.source='copy' has none. Fix: --{where}.synthetic_rate=0, or a corpus data.source."
+                )
+            if cfg.rope_scaling and stage.loss != "long":
+                raise ConfigError(
+                    f"{where}.rope_scaling={cfg.rope_scaling!r}: context extension applies from the long stage "
+                    f"(stage 3) on. Fix: --{where}.rope_scaling='' and set config.stage3.rope_scaling instead."
                 )
             if stage.loss == "long" and cfg.ce_weight == 0 and cfg.kl_weight == 0:
                 raise ConfigError(

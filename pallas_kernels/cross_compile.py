@@ -1,4 +1,4 @@
-"""Compile Pallas kernels for accelerators this machine does not have: an H200 (Triton) and a TPU pod (Mosaic).
+"""Compile Pallas kernels for accelerators this machine does not have: an H200 (Triton) and TPU pods (Mosaic, XLA:TPU).
 
 JAX cross-lowers a program for another platform (``.lower(lowering_platforms=...)``), and its Pallas lowerings
 consult the *abstract device* of the current abstract mesh (``jax.sharding.use_abstract_mesh``) instead of the local
@@ -11,16 +11,23 @@ device when one is set. This module uses that to prove, on a CPU-only machine, t
   (ptxas is rerun with Triton's flags for a kernel that came from Triton's cache). XLA compiles the same IR with
   the Triton bundled in jaxlib, so the figures are those of the ``triton`` package's version of the compiler: a
   kernel that exceeds the shared-memory limit here is over budget on the device too, modulo version drift.
-* :func:`lower_for_tpu` lowers ``jax.jit(fn)`` for TPU, optionally under an abstract TPU mesh with the arguments
-  sharded over it, so Mosaic's lowering checks run as on a pod (for instance, a Mosaic call outside
-  ``jax.shard_map`` on sharded operands fails here exactly as it would there).
+* :func:`compile_for_tpu` compiles ``jax.jit(fn)`` with the real TPU compiler: the ``libtpu`` wheel (the version
+  ``jax[tpu]`` pins) gives compile-only devices of any TPU topology on a CPU-only machine
+  (``jax.experimental.topologies.get_topology_desc``), so XLA:TPU and Mosaic run all their passes (layout inference,
+  VMEM allocation, the checks that reject a kernel) for a chip or a whole slice, the arguments sharded over a mesh
+  of its chips. It reports the per-chip memory of the compiled program, each Mosaic kernel's scoped VMEM and the
+  compile time (:class:`TpuCompiled`).
 
 Private API used (tried with jax 0.12.0.x and triton 3.7.x; other versions get a warning, a missing piece a
 RuntimeError that names it):
   ``jax._src.pallas.core._backend_lowering_rules``: the registry of per-backend ``pallas_call`` lowering rules;
   ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``: the jaxpr → Triton MLIR translation
   (both wrapped only for the duration of one capture, see :func:`_capture_triton_ir`);
-  ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and Triton's ptxas flags (_PTXAS_FLAGS).
+  ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and Triton's ptxas flags (_PTXAS_FLAGS);
+  for TPU (tried with libtpu 0.0.50.x, the version jax 0.12.0.x pins): the environment libtpu reads
+  (``TPU_SKIP_MDS_QUERY``: no metadata server to ask; ``ALLOW_MULTIPLE_LIBTPU_LOAD``: every JAX process of a venv
+  with libtpu loads it, and without this only the first may hold /tmp/libtpu_lockfile), and the compiled HLO's
+  ``backend_config`` field ``used_scoped_memory_configs`` (memory space 1 = VMEM) read as each kernel's VMEM.
 """
 
 from __future__ import annotations
@@ -29,24 +36,33 @@ import contextlib
 import dataclasses
 import functools
 import io
+import json
+import math
 import os
 import re
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 
 import jax
+import numpy as np
 
 __all__ = [
     "H200",
     "H200_SHARED_MEMORY_BYTES",
+    "TPU_HBM_BYTES",
+    "TpuCompiled",
+    "TpuKernel",
     "TritonKernelIR",
     "TritonKernelStats",
+    "compile_for_tpu",
     "compile_triton_kernels",
     "format_stats_table",
-    "lower_for_tpu",
-    "tpu_abstract_mesh",
+    "format_tpu_table",
+    "tpu_devices",
+    "tpu_mesh",
     "triton_ir",
 ]
 
@@ -54,11 +70,13 @@ __all__ = [
 H200_SHARED_MEMORY_BYTES = 232_448
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 _SM90A_TARGET = ("cuda", 90, 32)  # (backend, compute capability, warp size) of triton's GPUTarget
-_TRIED_VERSIONS = {"jax": "0.12.0.", "triton": "3.7."}  # version prefixes
+_TRIED_VERSIONS = {"jax": "0.12.0.", "triton": "3.7.", "libtpu": "0.0.50."}  # version prefixes
 # Pallas' own defaults when CompilerParams leaves them unset (jax/_src/pallas/triton/pallas_call_registration.py).
 _PALLAS_DEFAULT_NUM_WARPS, _PALLAS_DEFAULT_NUM_STAGES = 4, 3
-# TensorCores per chip (v4 and v5p pair two per chip as one megacore device).
-_TPU_NUM_CORES = {"TPU v4": 2, "TPU v5p": 2, "TPU v5": 2, "TPU v5 lite": 1, "TPU v6 lite": 1, "TPU v6e": 1}
+GiB = 1 << 30
+# HBM per chip by libtpu's device_kind (Cloud TPU system architecture pages): v4 32 GiB, v5e 16 GiB, v5p 95 GiB,
+# v6e (Trillium) 32 GiB. The compile-only devices do not report it.
+TPU_HBM_BYTES = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": 95 * GiB, "TPU v6 lite": 32 * GiB}
 
 _lock = threading.Lock()  # the capture swaps module globals: one capture at a time
 
@@ -306,63 +324,200 @@ def format_stats_table(rows: list[tuple[str, TritonKernelStats]]) -> str:
     return "\n".join(lines)
 
 
-@functools.cache
-def _tpu_device(device_kind: str) -> jax.sharding.AbstractDevice:
-    return jax.sharding.AbstractDevice(
-        device_kind=device_kind, num_cores=_TPU_NUM_CORES.get(device_kind, 1), platform="tpu"
-    )
-
-
-def tpu_abstract_mesh(
-    mesh_axes: dict[str, int], device_kind: str = "TPU v5p", axis_types=jax.sharding.AxisType.Auto
-) -> jax.sharding.AbstractMesh:
-    """An abstract mesh of ``device_kind`` TPU chips with the given ``{axis name: size}`` (no devices needed)."""
-    if not mesh_axes or any(not isinstance(n, int) or n < 1 for n in mesh_axes.values()):
-        raise ValueError(f"mesh_axes must map axis names to positive sizes, got {mesh_axes!r}")
-    names = tuple(mesh_axes)
-    if not isinstance(axis_types, tuple):
-        axis_types = (axis_types,) * len(names)
-    return jax.sharding.AbstractMesh(
-        tuple(mesh_axes.values()), names, axis_types, abstract_device=_tpu_device(device_kind)
-    )
-
-
-def lower_for_tpu(
-    fn,
-    *args,
-    mesh_axes: dict[str, int] | None = None,
-    in_specs=None,
-    device_kind: str = "TPU v5p",
-    axis_types=jax.sharding.AxisType.Auto,
-) -> str:
-    """Lower ``jax.jit(fn)(*args)`` for TPU (Mosaic for every Pallas TPU kernel) and return the StableHLO text.
-
-    Without ``mesh_axes`` the program is lowered for one ``device_kind`` chip. With ``mesh_axes`` (``{axis name:
-    size}``) it is lowered under ``jax.sharding.use_abstract_mesh`` of an abstract ``device_kind`` mesh of that
-    shape, and each argument carries a ``NamedSharding`` of that mesh: ``in_specs`` is a pytree prefix of ``args``
-    of ``jax.sharding.PartitionSpec``s (default: replicated). Mosaic's checks then run as on a pod: for instance
-    a Pallas TPU call on sharded operands outside ``jax.shard_map`` fails with "Mosaic kernels cannot be
-    automatically partitioned", as it would there. ``fn`` may itself refer to the mesh (shard_map, sharding
-    constraints) through ``jax.sharding.get_abstract_mesh()``.
-    """
-    if mesh_axes is None:
-        if in_specs is not None:
-            raise ValueError("lower_for_tpu: in_specs needs mesh_axes (the mesh the specs refer to)")
-        mesh_axes = {"_cross_compile": 1}
-    mesh = tpu_abstract_mesh(mesh_axes, device_kind, axis_types)
+def _sharded_args(mesh, args, in_specs):
+    """``args`` as ShapeDtypeStructs carrying a NamedSharding of ``mesh`` from ``in_specs``, a pytree prefix of
+    ``args`` of PartitionSpecs (None: replicated)."""
     specs = jax.sharding.PartitionSpec() if in_specs is None else in_specs
     if isinstance(specs, jax.sharding.PartitionSpec):
         specs = (specs,) * len(args)
 
     def shard(spec, x):
-        sharding = jax.sharding.NamedSharding(mesh, spec)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
-    sharded_args = jax.tree.map(
+    return jax.tree.map(
         lambda spec, sub: jax.tree.map(functools.partial(shard, spec), sub),
         tuple(specs),
         args,
         is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
     )
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*sharded_args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+# ------------------------------------------------------------------ the real TPU compiler (libtpu, compile-only)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuKernel:
+    """One Mosaic kernel (``pallas_call``) of a program compiled for TPU: its name and the scoped VMEM the compiler
+    reserved for it while it runs (its pipeline buffers and scratch), in bytes. Operands XLA itself placed in VMEM
+    for the call are not in this figure (a kernel whose operands all sit there can report 0, as does a call the
+    compiler reports no scoped memory for)."""
+
+    name: str
+    vmem_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuCompiled:
+    """What XLA:TPU says about one program compiled for ``chips`` chips of ``topology`` (figures per chip).
+
+    argument / output / alias / temp / code bytes: ``compiled.memory_analysis()`` of one chip's SPMD partition
+    (alias: outputs written into donated arguments); kernels: every Mosaic call, in program order; compile_seconds:
+    wall time of ``.compile()`` alone (lowering excluded).
+    """
+
+    topology: str
+    device_kind: str
+    chips: int
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    kernels: tuple[TpuKernel, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs - aliased + temporaries + generated code: the HBM the program needs on one chip."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        return TPU_HBM_BYTES.get(self.device_kind)
+
+
+def _check_libtpu() -> None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        found = version("libtpu")
+    except PackageNotFoundError as e:
+        raise RuntimeError(
+            "compile_for_tpu needs the TPU compiler: `pip install libtpu==0.0.50.1` (the version jax[tpu] 0.12.0.x "
+            "pins; it runs on a CPU-only machine)"
+        ) from e
+    if not found.startswith(_TRIED_VERSIONS["libtpu"]):
+        warnings.warn(
+            f"pallas_kernels.cross_compile was tried with libtpu {_TRIED_VERSIONS['libtpu']}x, found {found}: "
+            "the compiled HLO's VMEM fields it reads may have changed",
+            stacklevel=3,
+        )
+
+
+@functools.cache
+def tpu_devices(topology: str) -> tuple:
+    """The compile-only devices of a TPU topology such as "v5e:2x4" or "v5p:2x2x2" (one per chip, megacore chips
+    as one device), from libtpu without any TPU attached."""
+    _check_libtpu()
+    # Set before libtpu first loads in this process (here, unless something else already loaded it).
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:  # noqa: BLE001 — libtpu raises its own runtime errors for unknown names
+        raise ValueError(
+            f"libtpu knows no TPU topology {topology!r} ({e}); use a name like 'v5e:2x4', 'v6e:2x2' or 'v5p:2x2x2' "
+            "(generation:chips per dimension)"
+        ) from e
+
+
+def tpu_mesh(topology: str, mesh_axes: dict[str, int] | None = None) -> jax.sharding.Mesh:
+    """A ``jax.sharding.Mesh`` of the compile-only chips of ``topology`` with ``{axis name: size}`` (its product
+    must be the topology's chip count); ``None``: one chip of it, on a single axis "_cross_compile"."""
+    devices = tpu_devices(topology)
+    if mesh_axes is None:
+        return jax.sharding.Mesh(np.array(devices[:1]), ("_cross_compile",))
+    if not mesh_axes or any(not isinstance(n, int) or n < 1 for n in mesh_axes.values()):
+        raise ValueError(f"mesh_axes must map axis names to positive sizes, got {mesh_axes!r}")
+    if math.prod(mesh_axes.values()) != len(devices):
+        raise ValueError(
+            f"mesh {mesh_axes} has {math.prod(mesh_axes.values())} chips but topology {topology!r} has "
+            f"{len(devices)}: make the axis sizes multiply to {len(devices)}"
+        )
+    return jax.sharding.Mesh(np.array(devices).reshape(tuple(mesh_axes.values())), tuple(mesh_axes))
+
+
+_KERNEL_NAME = re.compile(r'op_name="[^"]*?(\w+)\)*/pallas_call')
+# Splash's calls sit in its own "_splash_attention" scope, so their op_name does not end in the kernel's name; XLA
+# names the instruction after it ("%splash_mha_fwd_segmented_residuals.1 = ...").
+_SPLASH_NAME = re.compile(r"%\w*?(splash_mha_\w+?)_*(?:\.\d+)? =")
+_USED_SCOPED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
+
+
+def _mosaic_kernels(hlo: str) -> tuple[TpuKernel, ...]:
+    """Each ``tpu_custom_call`` of compiled HLO text: its pallas_call name (from the op_name metadata; splash's from
+    the instruction's name) and the VMEM (memory space 1) of its ``used_scoped_memory_configs``."""
+    kernels = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        name = _SPLASH_NAME.search(line) or _KERNEL_NAME.search(line)
+        used = _USED_SCOPED.search(line)
+        # A call the compiler gave no scoped memory has no such field.
+        configs = json.loads(f"[{used.group(1)}]") if used else []
+        vmem = sum(int(c["size"]) for c in configs if str(c.get("memory_space")) == "1")
+        kernels.append(TpuKernel(name=name.group(1) if name else "pallas_call", vmem_bytes=vmem))
+    return tuple(kernels)
+
+
+def compile_for_tpu(
+    fn,
+    *args,
+    topology: str = "v5e:2x2",
+    mesh_axes: dict[str, int] | None = None,
+    in_specs=None,
+    donate_argnums=(),
+) -> TpuCompiled:
+    """Compile ``jax.jit(fn)(*args)`` with the TPU compiler for ``topology`` and report on it (:class:`TpuCompiled`).
+
+    ``args`` are arrays or ``jax.ShapeDtypeStruct``s. Without ``mesh_axes`` the program is compiled for one chip of
+    ``topology``; with it, for every chip of the topology on a mesh of that shape (see :func:`tpu_mesh`), each
+    argument carrying a ``NamedSharding`` from ``in_specs`` (a pytree prefix of ``args`` of PartitionSpecs; default
+    replicated). The mesh is set (``jax.set_mesh``) while tracing and compiling, so ``fn`` reaches it through
+    ``jax.sharding.get_abstract_mesh()`` (shard_map) and the kernels' ``auto`` dispatch sees a TPU. Raises what the
+    compiler raises for a program it rejects (a kernel over its VMEM, a layout Mosaic cannot infer, ...).
+    """
+    if not jax.__version__.startswith(_TRIED_VERSIONS["jax"]):
+        warnings.warn(
+            f"compile_for_tpu was tried with jax {_TRIED_VERSIONS['jax']}x, found {jax.__version__}", stacklevel=2
+        )
+    mesh = tpu_mesh(topology, mesh_axes)
+    if mesh_axes is None and in_specs is not None:
+        raise ValueError("compile_for_tpu: in_specs needs mesh_axes (the mesh the specs refer to)")
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(fn, donate_argnums=donate_argnums).trace(*_sharded_args(mesh, args, in_specs)).lower()
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    return TpuCompiled(
+        topology=topology,
+        device_kind=mesh.devices.flat[0].device_kind,
+        chips=mesh.size,
+        compile_seconds=seconds,
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes),
+        code_bytes=int(m.generated_code_size_in_bytes),
+        kernels=_mosaic_kernels(compiled.as_text()),
+    )
+
+
+def format_tpu_table(rows: list[tuple[str, TpuCompiled]]) -> str:
+    """A Markdown table of (config, compiled) rows: chip, config, per-chip temporaries and peak, each kernel's
+    VMEM, compile time."""
+    mib = lambda n: f"{n / (1 << 20):,.1f}"  # noqa: E731
+    lines = [
+        "| chip(s) | config | temp MiB | peak MiB / chip | kernels: VMEM KiB | compile s |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for config, c in rows:
+        kernels = ", ".join(f"{k.name} {k.vmem_bytes / 1024:,.0f}" for k in c.kernels) or "—"
+        chips = f"{c.device_kind}" + (f" x{c.chips}" if c.chips > 1 else "")
+        lines.append(
+            f"| {chips} | {config} | {mib(c.temp_bytes)} | {mib(c.peak_bytes)} | {kernels} | {c.compile_seconds:.1f} |"
+        )
+    return "\n".join(lines)

@@ -9,6 +9,8 @@ once:
     "pallas_tpu"  the Mosaic kernel (interpret mode off a TPU; refused on a GPU)
     "xla"         the blockwise / chunked pure-JAX path: every user's fallback, and the CPU's only fast path
     "reference"   the slow exact implementation the tests compare against
+    "splash"      flash_attention only: Google's splash attention TPU kernel (interpret mode off a TPU; refused
+                  on a GPU); the op's "auto" picks it on a TPU where it covers the call
 
 The platform is that of a concrete input array when there is one (a committed array decides where the op runs),
 else that of the abstract mesh's device when tracing for another machine (``jax.sharding.use_abstract_mesh``, as
@@ -22,8 +24,10 @@ import logging
 import jax
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "reference")
-BACKENDS = ("xla", "reference", "pallas_gpu", "pallas_tpu")
-_NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+# Names only some ops have, beyond IMPLEMENTATIONS.
+_OP_EXTRAS = {"flash_attention": ("splash",)}
+BACKENDS = ("xla", "reference", "pallas_gpu", "pallas_tpu", "splash")
+_NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "splash": "tpu"}
 
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -44,10 +48,15 @@ def platform_of(x=None) -> str:
     return jax.default_backend()
 
 
+def implementations(op: str) -> tuple[str, ...]:
+    """The ``implementation=`` names ``op`` accepts."""
+    return IMPLEMENTATIONS + _OP_EXTRAS.get(op, ())
+
+
 def check_implementation(op: str, implementation: str) -> None:
     """Raise a ValueError naming the valid choices when ``implementation`` is not one of them."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
+    if implementation not in implementations(op):
+        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {', '.join(implementations(op))}")
 
 
 def resolve(op: str, implementation: str, platform: str | None = None) -> tuple[str, bool]:

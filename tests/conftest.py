@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices (must be set before JAX initialises) and shared fixtures."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -19,6 +20,14 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The persistent compilation cache for the tests' own compilations too (train_helpers gives the train.py and
+# bench subprocesses the same folder): a test that trains, resumes or reruns a program compiled by an earlier test
+# or session reads it back instead of compiling it again. Keys include the program, the devices and the flags.
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "hydrahead_test_jax_cache")),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 import collections  # noqa: E402
@@ -53,3 +62,16 @@ def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     counts = collections.Counter(item.path for item in items)
     items.sort(key=lambda item: (item.path not in slow_files, -counts[item.path]))  # stable within a file
+
+
+@pytest.fixture(scope="session")
+def show(request):
+    """A function that prints past pytest's output capture: the tables the compile tiers report (per-chip memory,
+    VMEM, registers) appear in the run's output whether the tests pass or not."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def show(text: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(text, flush=True)
+
+    return show

@@ -179,11 +179,14 @@ _GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path: str | os.PathLike, model, arch: str, tokens: list[str] | None = None) -> Path:
+def write_tiny_gguf(
+    path: str | os.PathLike, model, arch: str, tokens: list[str] | None = None, extra_metadata=None
+) -> Path:
     """Write a transformers model as an F32 GGUF the way llama.cpp's converter lays it out.
 
     Names follow llama.cpp (``blk.{i}.attn_q.weight`` ...); Llama's Q/K rows are permuted for interleaved RoPE
     (Qwen2/Qwen3 are not, as in the converter). ``arch`` is written verbatim, so an unsupported one can be made.
+    ``extra_metadata(writer)`` may add keys or tensors (e.g. rope scaling) before the file is written.
     """
     import gguf
 
@@ -225,8 +228,29 @@ def write_tiny_gguf(path: str | os.PathLike, model, arch: str, tokens: list[str]
             if arch == "llama" and module == "self_attn.k_proj" and kind == "weight":
                 value = llamacpp_permute(value, cfg.num_key_value_heads)
         w.add_tensor(gname, value)
+    if extra_metadata is not None:
+        extra_metadata(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+REQUIRE_ORACLES = "HYDRAHEAD_REQUIRE_ORACLES"  # set by `make test`: there the dev extras are installed
+
+
+def import_oracle(module: str):
+    """``module`` (torch, a transformers module: an external oracle), imported. Where it is missing the test is
+    skipped, except when $HYDRAHEAD_REQUIRE_ORACLES is set (`make test`, whose environment has the dev extras):
+    there a missing oracle fails the test instead of passing it off as a skip."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if os.environ.get(REQUIRE_ORACLES):
+            pytest.fail(f"the oracle {module!r} does not import ({err}); install the dev extras (make install-dev)")
+        pytest.skip(f"{module} is not installed (the dev extras): this oracle comparison cannot run")

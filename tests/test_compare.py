@@ -330,6 +330,28 @@ def test_comparison_outputs(compared):
     assert "## Held-out batch of each stage" in report
 
 
+def _check_record_against_its_files(record, vdir):
+    """A results.json record against what the variant's own files hold, read here: eval.json (final; its config
+    hash), eval_init.json, head_map.json, the held-out rows of metrics.jsonl (the curves, in tokens) and each
+    stage's heldout.json (first and last held-out row)."""
+    final = json.loads((vdir / "eval.json").read_text())
+    assert record["config_hash"] == final.pop("config_hash")
+    assert record["final"] == final and record["at_init"] == json.loads((vdir / "eval_init.json").read_text())
+    head_map = json.loads((vdir / "head_map.json").read_text())
+    want = {"method": head_map["method"], "ratio": head_map["target_ratio"], "allocation": head_map["allocation"]}
+    assert record["selection"] == want and want["method"] == record["name"].split("_")[0]
+    rows = [json.loads(line) for line in (vdir / "metrics.jsonl").read_text().splitlines()]
+    held = [r for r in rows if r.get("split") == "heldout"]
+    assert record["curve_source"] == "heldout"
+    assert record["curves"] == {
+        stage: sorted([r["tokens_seen"], r["loss"]] for r in held if r["stage"] == stage)
+        for stage in {r["stage"] for r in held}
+    }
+    for stage, ends in record["heldout"].items():
+        stage_rows = [{k: v for k, v in r.items() if k not in ("stage", "split")} for r in held if r["stage"] == stage]
+        assert ends == {"start": stage_rows[0], "end": stage_rows[-1]}, stage
+
+
 @pytest.mark.slow
 def test_report_only_reports_the_finished_variants_and_lists_the_rest(compared, tmp_path):
     from configs import compare_tiny
@@ -345,6 +367,7 @@ def test_report_only_reports_the_finished_variants_and_lists_the_rest(compared, 
     assert [v["name"] for v in results["variants"]] == ["layerwise_1to1", "random_3to1_s0"]
     by_name = {v["name"]: v for v in full["variants"]}
     for v in results["variants"]:  # the same records the full comparison wrote, but the timings (one more run)
+        _check_record_against_its_files(v, workdir / "variants" / v["name"])
         same = {k: x for k, x in by_name[v["name"]].items() if k != "stage_seconds"}
         assert json.loads(json.dumps({k: x for k, x in v.items() if k != "stage_seconds"})) == same
     assert "not finished yet, so not in this report: random_3to1_s1" in (workdir / "report.md").read_text()
@@ -396,6 +419,7 @@ def test_merge_reports_another_runs_records_of_the_same_recipe(compared, tmp_pat
     by_name = {v["name"]: v for v in full["variants"]}
     merged = results["variants"][2]
     assert merged["merged_from"] == str(other)
+    _check_record_against_its_files(merged, compared["workdir"] / "variants" / "random_3to1_s1")
     assert {k: v for k, v in merged.items() if k != "merged_from"} == by_name["random_3to1_s1"]
     assert all("merged_from" not in v for v in results["variants"][:2])  # finished here: this workdir's own
     assert f"merged from `{other}`" in (workdir / "report.md").read_text()

@@ -1,10 +1,11 @@
-"""Compile tier of the gated delta kernels: they compile for an H200 and lower for TPU, proven without either.
+"""Compile tier of the gated delta kernels: they compile for an H200 and for TPU chips, proven without either.
 
 What this proves (pallas_kernels/cross_compile.py does the work): every Pallas GPU kernel of the rule, forward and
 backward, translates to Triton IR and is compiled by Triton for sm_90a with its own warps/stages, and fits the
 H200's 232,448 B of shared memory per block (a kernel over it fails to launch on the device); the Pallas TPU
-kernels pass Mosaic's lowering for a TPU chip and, inside ``jax.shard_map``, under an 8-chip abstract mesh with the
-batch sharded; with segment ids (packed documents: one more (C, 1) operand per kernel) as without. What it does
+kernels are compiled by the real TPU compiler (libtpu's compile-only devices: Mosaic's layout inference and VMEM
+allocation included) for a v5e and a v6e chip and, inside ``jax.shard_map``, for an 8-chip v5e slice with the
+batch sharded, each kernel's VMEM and the program's per-chip memory reported; with segment ids (packed documents: one more (C, 1) operand per kernel) as without. What it does
 not prove: speed, or values on the device (tests/test_gated_delta.py checks the same
 kernel bodies' values and gradients in interpret mode; bench/gpu_check_gated_delta.py on a GPU).
 
@@ -81,25 +82,54 @@ def test_gpu_kernels_compile_for_h200_within_shared_memory(dim, dtype, segmented
         assert s.num_warps in (cfg.warps_seq, cfg.warps_par), f"{s.name}: warps not from pallas_gpu.GPU_CONFIGS"
 
 
-def _kernel_names(stablehlo: str) -> set[str]:
-    return {name for name in KERNELS if name in stablehlo}
+# Compile targets: a v5e and a v6e chip (one of an 8-chip slice's), and the slice itself for the sharded program.
+TPU_CHIPS = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segment_ids"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("dim", [64, 128])
-def test_tpu_kernels_lower(dim, dtype, segmented):
-    text = cross_compile.lower_for_tpu(
-        _value_and_grads(pallas_tpu.chunk_gated_delta_rule_pallas_tpu), *_args(dim, dtype, segmented)
+@pytest.fixture(scope="module")
+def tpu_table(show):
+    rows = []
+    yield rows
+    show("\ngated delta compiled by XLA:TPU (libtpu):\n" + cross_compile.format_tpu_table(rows))
+
+
+def _check_tpu_kernels(compiled):
+    names = {k.name for k in compiled.kernels}
+    assert names == KERNELS, names
+    assert len(compiled.kernels) == len(KERNELS), compiled.kernels
+    assert compiled.peak_bytes < compiled.hbm_bytes
+
+
+# (head dim, chip, dtype, segment ids). A compile of the five kernels takes 20-35 s of CPU, so the rows cover each
+# axis rather than the product: both head dims, both chips, bf16 (the training dtype) with and without segment ids
+# on each chip, f32 (other tile layouts: (8, 128) instead of (16, 128)) on the v5e.
+TPU_CONFIGS = [
+    (128, "v5e", jnp.bfloat16, False),
+    (128, "v5e", jnp.bfloat16, True),
+    (64, "v5e", jnp.float32, False),
+    (128, "v6e", jnp.bfloat16, False),
+    (64, "v6e", jnp.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("dim,chip,dtype,segmented", TPU_CONFIGS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_tpu_kernels_compile(dim, chip, dtype, segmented, tpu_table):
+    """The five Mosaic kernels (forward and backward) compile with the TPU compiler for one chip."""
+    compiled = cross_compile.compile_for_tpu(
+        _value_and_grads(pallas_tpu.chunk_gated_delta_rule_pallas_tpu),
+        *_args(dim, dtype, segmented),
+        topology=TPU_CHIPS[chip],
     )
-    assert text.count("tpu_custom_call") == len(KERNELS)
-    assert _kernel_names(text) == KERNELS
+    config = f"K=V={dim} {jnp.dtype(dtype).name} B={B} T={T} H={H}" + (" segment ids" if segmented else "")
+    tpu_table.append((config, compiled))
+    _check_tpu_kernels(compiled)
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segment_ids"])
-def test_tpu_kernels_lower_in_shard_map_on_a_pod(segmented):
-    """Batch sharded over 8 abstract TPU chips: the kernels lower inside shard_map (Mosaic cannot be partitioned)."""
-    n_args = 7 if segmented else 6
+def test_tpu_kernels_compile_in_shard_map_on_a_slice(tpu_table):
+    """Batch sharded over an 8-chip v5e slice, packed documents: the kernels compile inside shard_map (Mosaic cannot
+    be partitioned)."""
+    segmented = True
+    n_args = 7
     specs = (P("data"),) * n_args  # every argument's leading axis is the batch
     value_and_grads = _value_and_grads(pallas_tpu.chunk_gated_delta_rule_pallas_tpu)
 
@@ -114,5 +144,8 @@ def test_tpu_kernels_lower_in_shard_map_on_a_pod(segmented):
         return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
     args = tuple(jax.ShapeDtypeStruct((8,) + a.shape[1:], a.dtype) for a in _args(64, jnp.bfloat16, segmented))
-    text = cross_compile.lower_for_tpu(sharded, *args, mesh_axes={"data": 8}, in_specs=specs)
-    assert _kernel_names(text) == KERNELS
+    compiled = cross_compile.compile_for_tpu(
+        sharded, *args, topology=TPU_CHIPS["v5e"], mesh_axes={"data": 8}, in_specs=specs
+    )
+    tpu_table.append(("K=V=64 bfloat16 B=8 over 8 chips" + (" segment ids" if segmented else ""), compiled))
+    _check_tpu_kernels(compiled)

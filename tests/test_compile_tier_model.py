@@ -1,14 +1,15 @@
-"""Compile tier, model level: the tiny recipe's jitted train step lowers for a TPU pod, Pallas kernels included.
+"""Compile tier, model level: the tiny recipe's jitted train step compiles for an 8-chip TPU slice, Pallas kernels
+included.
 
-No TPU is needed: ``pallas_kernels.cross_compile.lower_for_tpu`` lowers under an abstract 8-chip TPU mesh with the
-arguments sharded over it, so the kernels resolve to their Mosaic (``pallas_tpu``) versions and Mosaic's lowering
-runs as it would on a pod. A Mosaic call left to XLA's partitioner on sharded operands fails there ("Mosaic kernels
-cannot be automatically partitioned"): the control test removes the model's ``shard_map`` wrapping and sees exactly
-that failure, so the passing case proves the wrapping, not a lenient lowering.
+No TPU is needed: ``pallas_kernels.cross_compile.compile_for_tpu`` compiles with the real TPU compiler (libtpu's
+compile-only devices) for every chip of a v5e slice, the arguments sharded over a mesh of them, so the kernels
+resolve to their Mosaic (``pallas_tpu``) versions and XLA:TPU partitions and compiles the whole step as it would on
+the slice. A Mosaic call left to XLA's partitioner on sharded operands fails there ("Mosaic kernels cannot be
+automatically partitioned"): the control test removes the model's ``shard_map`` wrapping and sees exactly that
+failure, so the passing case proves the wrapping, not a lenient compiler.
 """
 
 import collections
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,25 +22,31 @@ from hydrahead_jax.hybrid import build_model, gdn
 from hydrahead_jax.models import attention as teacher_attention
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.steps import LossSettings, compute_loss, make_optimizer, make_train_step
-from pallas_kernels.cross_compile import lower_for_tpu, tpu_abstract_mesh
+from pallas_kernels.cross_compile import compile_for_tpu, format_tpu_table, tpu_mesh
 
-MOSAIC_CALL = "tpu_custom_call"
+SLICE = "v5e:2x4"  # 8 chips
 
 
 def _specs(shardings):
     return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def lower_tiny_train_step(mesh_axes: dict[str, int], batch_size: int, *, gradient: bool = True) -> str:
-    """StableHLO of the tiny recipe's stage-2 (distillation) train step (``gradient=False``: its loss alone), lowered
-    for TPU v5p chips on an abstract mesh of ``mesh_axes``, parameters and optimizer state placed by the
-    logical-axis rules, the batch split over (data, fsdp). The recipe's kernel implementations are "auto": Mosaic
-    on a TPU."""
+def compile_tiny_train_step(
+    mesh_axes: dict[str, int], batch_size: int, *, gradient: bool = True, head_dim: int = 0, seq_len: int = 0
+):
+    """The tiny recipe's stage-2 (distillation) train step (``gradient=False``: its loss alone) compiled for the 8
+    chips of a v5e slice on a mesh of ``mesh_axes`` (a ``TpuCompiled``), parameters and optimizer state placed by
+    the logical-axis rules, the batch split over (data, fsdp). The recipe's kernel implementations are "auto":
+    Mosaic on a TPU. ``head_dim`` / ``seq_len`` (0: the recipe's) reshape the 2-layer model and its rows."""
     c = tiny_config()
+    if head_dim:
+        c.teacher.model.head_dim = head_dim
+    if seq_len:
+        c.stage2.seq_len = seq_len
     scfg = c.stage2
     cfg, teacher, head_map, hybrid = tiny_models(c)
     assert hybrid.gdn_implementation == hybrid.attention_implementation == "auto"
-    mesh = tpu_abstract_mesh(mesh_axes)
+    mesh = tpu_mesh(SLICE, mesh_axes)
     student = nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid, nnx.Rngs(0)))
     gd, params, frozen = nnx.split(student, nnx.Param, ...)
     teacher_gd, teacher_state = nnx.split(teacher)
@@ -74,19 +81,20 @@ def lower_tiny_train_step(mesh_axes: dict[str, int], batch_size: int, *, gradien
     batch["loss_mask"] = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
     batch_spec = shd.logical_to_spec(("batch", None), rows.shape, mesh)
     assert batch_spec != jax.sharding.PartitionSpec(None, None), "the batch must really be split for this test"
-    return lower_for_tpu(
+    return compile_for_tpu(
         step,
         state,
         teacher_pure,
         batch,
+        topology=SLICE,
         mesh_axes=mesh_axes,
         in_specs=(state_specs, teacher_specs, jax.tree.map(lambda _: batch_spec, batch)),
     )
 
 
-def mosaic_kernels(text: str) -> collections.Counter:
-    """{kernel name: number of Mosaic calls} in lowered StableHLO."""
-    return collections.Counter(re.findall(r'kernel_name = "([^"]+)"', text))
+def mosaic_kernels(compiled) -> collections.Counter:
+    """{kernel name: number of Mosaic calls} of a compiled program."""
+    return collections.Counter(k.name for k in compiled.kernels)
 
 
 @pytest.mark.parametrize(
@@ -94,20 +102,41 @@ def mosaic_kernels(text: str) -> collections.Counter:
     [({"data": 8, "fsdp": 1, "tensor": 1}, 8), ({"data": 2, "fsdp": 2, "tensor": 2}, 4)],
     ids=["data8", "data2-fsdp2-tensor2"],
 )
-def test_tiny_train_step_lowers_for_a_tpu_pod(mesh_axes, batch_size):
-    forward = mosaic_kernels(lower_tiny_train_step(mesh_axes, batch_size, gradient=False))
-    train = mosaic_kernels(lower_tiny_train_step(mesh_axes, batch_size))
-    # Forward, per layer (2): the teacher's and the student's flash attention, the student's gated delta rule.
+def test_tiny_train_step_compiles_for_a_tpu_slice(mesh_axes, batch_size, show):
+    forward_program = compile_tiny_train_step(mesh_axes, batch_size, gradient=False)
+    train_program = compile_tiny_train_step(mesh_axes, batch_size)
+    rows = [(f"tiny recipe loss {mesh_axes}", forward_program), (f"tiny recipe train step {mesh_axes}", train_program)]
+    show("\n" + format_tpu_table(rows))
+    forward, train = mosaic_kernels(forward_program), mosaic_kernels(train_program)
+    # Forward: the teacher's and the student's flash attention and the student's gated delta rule, each in its
+    # model's scan body (both layers of the tiny student have one FA group: one kind, one body per model).
     families = ("flash_attention", "gated_delta")
     for counts in (forward, train):
         assert all(any(name.startswith(f) for name in counts) for f in families), counts
-    assert sum(forward.values()) >= 2 * 3, forward
-    # The gradient adds the backward kernels of the student's two kernels in both layers.
-    assert sum(train.values()) >= sum(forward.values()) + 2 * 2, (forward, train)
+    assert sum(forward.values()) >= 3, forward
+    # The gradient adds the backward kernels of the student's two kernels (in the backward scan body).
+    assert sum(train.values()) >= sum(forward.values()) + 2, (forward, train)
     assert set(train) > set(forward), (forward, train)
+    assert train_program.chips == 8 and train_program.peak_bytes < train_program.hbm_bytes
 
 
-def test_control_kernels_outside_shard_map_do_not_lower(monkeypatch):
+def test_two_layer_hybrid_compiles_with_splash_for_the_fa_groups(show):
+    """At head dim 128 and 256-token rows (what splash covers), the 2-layer hybrid's train step compiled for the
+    8-chip v5e slice with the batch over the chips runs Google's splash attention for every FA group (the
+    student's and the teacher's, forward and backward, packed documents as segment ids) and our gated delta kernels
+    for the LA heads; none of our flash attention kernels is left."""
+    program = compile_tiny_train_step({"data": 8, "fsdp": 1, "tensor": 1}, 8, head_dim=128, seq_len=256)
+    show("\n" + format_tpu_table([("2-layer hybrid d=128 T=256, splash", program)]))
+    kernels = mosaic_kernels(program)
+    splash = {n for n in kernels if n.startswith("splash_mha_")}
+    assert {n.split("_")[2] for n in splash} == {"fwd", "dq", "dkv"}, kernels
+    assert all("segmented" in n for n in splash), kernels
+    assert any(n.startswith("gated_delta") for n in kernels), kernels
+    assert not any(n.startswith("flash_attention") for n in kernels), kernels
+    assert program.peak_bytes < program.hbm_bytes
+
+
+def test_control_kernels_outside_shard_map_do_not_compile(monkeypatch):
     def unwrapped(kernel, *args, in_axes, out_axes):
         return kernel(*args)
 
@@ -115,4 +144,4 @@ def test_control_kernels_outside_shard_map_do_not_lower(monkeypatch):
         monkeypatch.setattr(module, "kernel_call", unwrapped)
     assert hybrid_attention.Attention is teacher_attention.Attention
     with pytest.raises(Exception, match="cannot be automatically partitioned"):
-        lower_tiny_train_step({"data": 8, "fsdp": 1, "tensor": 1}, 8)
+        compile_tiny_train_step({"data": 8, "fsdp": 1, "tensor": 1}, 8)

@@ -285,6 +285,43 @@ def test_mixture_rate_loss_mask_and_resume(prose_store, bpe):
     _assert_batches_equal(_take(make_train_iterator(prose_store, **kw), 4), batches)
 
 
+def test_mixture_with_loss_on_the_whole_synthetic_row_and_resume(prose_store, bpe):
+    """synthetic_loss="full" (stages 2-3's KL over the whole retrieval row): the same rows as the answer-only
+    mixture, the synthetic ones with loss on every token, and the iterator still resumes exactly."""
+    kw = dict(
+        seq_len=512,
+        batch_size=5,
+        seed=3,
+        synthetic_rate=0.2,
+        tokenizer=bpe,
+        synthetic_tasks=("niah_single", "passkey", "kv_retrieval"),
+    )
+    answer = _take(make_train_iterator(prose_store, **kw), 4)
+    it = make_train_iterator(prose_store, **kw, synthetic_loss="full")
+    full = _take(it, 4)
+    state = it.get_state()
+    nxt = _take(it, 3)
+    synthetic = 0
+    for a, f in zip(answer, full):
+        for key in ("input_ids", "targets", "segment_ids", "positions"):
+            np.testing.assert_array_equal(a[key], f[key])
+        for r in range(5):
+            m = a["loss_mask"][r]
+            if a["segment_ids"][r].max() == 1 and m.sum() < 100 and m[0] == 0:  # a synthetic row (as above)
+                synthetic += 1
+                # loss on every transition inside the example: its tokens but the last (whose target is padding)
+                inside = f["segment_ids"][r] == 1
+                assert np.all(f["loss_mask"][r][~inside] == 0) and f["loss_mask"][r].sum() >= inside.sum() - 1
+                assert np.all(f["loss_mask"][r][: int(inside.sum()) - 1] == 1)
+                assert f["loss_mask"][r].sum() > 10 * m.sum()
+            else:
+                np.testing.assert_array_equal(f["loss_mask"][r], m)
+    assert synthetic == 4
+    fresh = make_train_iterator(prose_store, **kw, synthetic_loss="full")
+    fresh.set_state(state)
+    _assert_batches_equal(_take(fresh, 3), nxt)
+
+
 def test_synthetic_row_masks_answer_only(prose_store, bpe):
     from hydrahead_jax.data.synthetic import Haystack
 

@@ -499,3 +499,43 @@ def test_an_export_without_a_tokenizer_is_a_clear_error(world, tmp_path):
     )
     with pytest.raises(ModelSpecError, match="records no tokenizer"):
         load_model(str(final))
+
+
+# ------------------------------------------------------------------------------------------------ intervals
+def test_wilson_intervals_against_hand_computed_values():
+    from hydrahead_jax.evaluation.intervals import wilson_interval
+
+    # by hand, z = 1.96: 0 of 100 → [0, z²/n / (1 + z²/n)] = [0, 0.0370]; 50 of 100 → 0.5 ± 0.0962;
+    # 10 of 100 → [0.0552, 0.1744]; 4 of 4 → [1/(1 + z²/4), 1] = [0.5101, 1]
+    for (k, n), want in {
+        (0, 100): (0.0, 0.036994),
+        (50, 100): (0.403832, 0.596168),
+        (10, 100): (0.055229, 0.174366),
+        (4, 4): (0.510109, 1.0),
+    }.items():
+        np.testing.assert_allclose(wilson_interval(k, n), want, atol=2e-6)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson_interval(5, 4)
+
+
+def test_bootstrap_interval_over_rows():
+    from hydrahead_jax.evaluation.intervals import bootstrap_interval
+
+    # two rows: resampled means are x1 (p 1/4), their mean (p 1/2), x2 (p 1/4), so the 2.5 / 97.5 % points are x1, x2
+    np.testing.assert_allclose(bootstrap_interval([1.0, 3.0], resamples=4000), (1.0, 3.0))
+    # token weights: a row of 3 tokens at 0 and one of 1 token at 4 give means 0, 1, 4 (p 1/4, 1/2, 1/4)
+    np.testing.assert_allclose(bootstrap_interval([0.0, 4.0], [3, 1], resamples=4000), (0.0, 4.0))
+    assert bootstrap_interval([2.5]) == (2.5, 2.5)
+    lo, hi = bootstrap_interval(np.random.default_rng(0).normal(1.0, 0.5, 400))
+    assert lo < 1.0 < hi and 0.05 < hi - lo < 0.15  # ≈ 2 · 1.96 · 0.5 / √400 = 0.098
+
+
+def test_report_pools_niah_depths_with_a_wilson_interval():
+    from hydrahead_jax.evaluation.report import _fmt_record, pooled_accuracy
+
+    cells = [{"value": 0.5, "n": 50}, {"value": 0.1, "n": 50}]  # 25 + 5 of 100 right
+    pooled = pooled_accuracy(cells)
+    assert pooled["n"] == 100 and pooled["value"] == 0.3
+    np.testing.assert_allclose(pooled["ci95"], (0.219, 0.396), atol=1e-3)  # Wilson 30 / 100 by hand
+    assert _fmt_record(pooled, "pct") == "30% [22–40]"
+    assert pooled_accuracy([]) is None

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_hybrid_model import CFG, _kl, forward, ids_of, naive_teacher_heads, random_teacher
+from test_hybrid_model import CFG, _kl, _np, _rms_norm, _rope, forward, ids_of, naive_teacher_heads, random_teacher
 
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.export import export_final, load_hydrahead
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_student, new_param_filter
 from hydrahead_jax.hybrid.fusion import fit_scale_and_offset, fused_heads
+from hydrahead_jax.hybrid.gdn_init import attention_statistics, beta_from_entropy, dt_from_distance
 
 
 def lstsq_fit(n, o, granularity, bias):
@@ -67,7 +68,7 @@ def test_fit_of_a_constant_input_is_mean_ablation():
     np.testing.assert_allclose(np.asarray(mu), o.mean(0), rtol=1e-5)
 
 
-@pytest.mark.parametrize("fusion,granularity", [("la_only", "head"), ("both", "channel")])
+@pytest.mark.parametrize("fusion,granularity", [("la_scale", "head"), ("la_only", "head"), ("both", "channel")])
 def test_fitted_heads_are_gamma_n_plus_mu_and_closer_to_the_teacher(fusion, granularity):
     cfg = CFG.replace(num_layers=1)
     teacher = random_teacher(cfg, seed=4)
@@ -92,7 +93,12 @@ def test_fitted_heads_are_gamma_n_plus_mu_and_closer_to_the_teacher(fusion, gran
     base = HybridConfig(fusion=fusion, fusion_granularity=granularity)
     fit, heads, fused_in, touched = heads_of(base.replace(fusion_init="fit", fusion_bias=True))
     gamma, mu = np.asarray(fit.gamma[...], np.float64), np.asarray(fit.mu[...], np.float64)
-    n = fused_in / np.sqrt(np.mean(fused_in**2, -1, keepdims=True) + cfg.rms_norm_eps)
+    # la_scale scales the gated output as it is; the normalising modes scale its per-token RMS normalisation
+    n = (
+        fused_in
+        if fusion == "la_scale"
+        else fused_in / np.sqrt(np.mean(fused_in**2, -1, keepdims=True) + cfg.rms_norm_eps)
+    )
     g = gamma[:, None] if granularity == "head" else gamma
     np.testing.assert_allclose(heads[:, :, touched], g * n + mu, atol=1e-5)
     # γ, μ are the least-squares fit of n to the teacher's heads (here computed from the numpy teacher)
@@ -157,6 +163,76 @@ def test_gdn_decay_and_beta_initial_values():
         np.testing.assert_allclose(b, beta, rtol=1e-6)
 
 
+def naive_teacher_probs(teacher, ids):
+    """Causal attention probabilities [B,H,T,T] of a one-layer teacher in float64 numpy (as naive_teacher_heads)."""
+    cfg = teacher.cfg
+    layer = teacher.layer(0)
+    attn = layer.self_attn
+    B, T = ids.shape
+    H, D, G = cfg.num_heads, cfg.head_dim, cfg.group_size
+    x = _rms_norm(_np(teacher.embed_tokens.embedding)[ids], _np(layer.input_layernorm.weight), cfg.rms_norm_eps)
+    q = _rms_norm(
+        (x @ _np(attn.q_proj.kernel) + _np(attn.q_proj.bias)).reshape(B, T, H, D),
+        _np(attn.q_norm.weight),
+        cfg.rms_norm_eps,
+    )
+    k = _rms_norm(
+        (x @ _np(attn.k_proj.kernel) + _np(attn.k_proj.bias)).reshape(B, T, -1, D),
+        _np(attn.k_norm.weight),
+        cfg.rms_norm_eps,
+    )
+    pos = np.broadcast_to(np.arange(T, dtype=np.float64), (B, T))
+    q, k = _rope(q, pos, cfg.rope_theta), np.repeat(_rope(k, pos, cfg.rope_theta), G, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) * D**-0.5
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def test_attention_statistics_by_hand():
+    # one head, three queries: t=0 sees itself; t=1 splits 1/2, 1/2; t=2 puts 1/4, 1/4, 1/2 on keys 0, 1, 2
+    p = np.array([[[[1, 0, 0], [0.5, 0.5, 0], [0.25, 0.25, 0.5]]]])
+    distance, entropy = (float(a[0]) for a in attention_statistics(jnp.asarray(p), jnp.arange(3)))
+    # distances: 0, 0.5·1, 0.25·2 + 0.25·1 = 0.75 → mean 1.25 / 3
+    np.testing.assert_allclose(distance, 1.25 / 3, rtol=1e-6)
+    # entropies over log(t+1), t ≥ 1: log 2 / log 2 = 1 and (2·¼·log 4 + ½·log 2) / log 3 = 1.5·log 2 / log 3
+    np.testing.assert_allclose(entropy, (1 + 1.5 * np.log(2) / np.log(3)) / 2, rtol=1e-6)
+    # a 1-token memory (d̄ = 1) has α = 1/2, dt = log 2; β runs from 0.9 (focused) to 0.1 (uniform)
+    np.testing.assert_allclose(dt_from_distance(np.array([1.0, 1e4]), 1e-3, 1.0), [np.log(2), 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(beta_from_entropy(np.array([0.0, 1.0, 0.5])), [0.9, 0.1, 0.5])
+
+
+@pytest.mark.parametrize(
+    "fa_groups, la",
+    [([[1]], [0, 1]), ([[0], [0, 1]], [2, 3])],
+    ids=["la-group-0", "la-group-1-stored-first-then-an-fa-layer"],
+)
+def test_teacher_gdn_init_follows_each_teacher_head(fa_groups, la):
+    cfg = CFG.replace(num_layers=len(fa_groups))
+    teacher = random_teacher(cfg, seed=4)
+    ids = ids_of((2, 24), seed=3)
+    hc = HybridConfig(gdn_init="teacher", gdn_beta_bias=True, gdn_dt_min=1e-3, gdn_dt_max=2.0)
+    student = build_student(teacher, HeadMap.from_fa_groups(cfg, fa_groups, method="test"), hc, calibration_ids=ids)
+    gdn = student.layer(0).self_attn.gdn  # layer 0's GDN slots: its LA heads ``la`` (original indices) in order
+    p = naive_teacher_probs(teacher, ids)[:, la]  # [B, 2, T, T]
+    if len(fa_groups) > 1:  # layer 1 is all FA: its GDN slots stay zero, untouched by the calibration
+        other = student.layer(1).self_attn.gdn
+        assert not np.any(np.asarray(other.dt_bias[...])) and not np.any(np.asarray(other.beta_bias[...]))
+    T = ids.shape[1]
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    d = np.mean(np.sum(p * np.maximum(t - s, 0), -1), axis=(0, 2))
+    h = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1)[:, :, 1:] / np.log(np.arange(2, T + 1))
+    want_dt = np.clip(np.log(1 + 1 / d), 1e-3, 2.0)
+    want_beta = 0.1 + 0.8 * (1 - np.mean(h, axis=(0, 2)))
+    x = jax.random.normal(jax.random.key(0), (1, 3, cfg.hidden_size))
+    g, beta = (np.asarray(a, np.float64) for a in gdn.decay_and_beta(x))  # W_a = W_b = 0: per-head constants
+    np.testing.assert_allclose(-g[0, 0], want_dt, rtol=1e-4)
+    np.testing.assert_allclose(beta[0, 0], want_beta, rtol=1e-4)
+    assert abs(want_beta[0] - want_beta[1]) > 1e-3 or abs(want_dt[0] - want_dt[1]) > 1e-3  # heads differ
+    # the β offset is a new, trained parameter
+    assert any(p[-1] == "beta_bias" for p, _ in nnx.to_flat_state(nnx.state(student, new_param_filter)))
+
+
 def test_fit_and_mu_start_the_student_closer_to_the_teacher():
     teacher = random_teacher()
     teacher.lm_head.kernel.set_value(teacher.lm_head.kernel[...] * 10)  # a peaked teacher: informative KL
@@ -194,7 +270,15 @@ def test_export_loads_with_and_without_mu(tmp_path):
         if strip:
             path = final / "hybrid_config.json"
             data = json.loads(path.read_text())
-            new_keys = ("fusion_bias", "fusion_init", "gdn_dt_min", "gdn_dt_max", "gdn_beta")
+            new_keys = (
+                "fusion_bias",
+                "fusion_init",
+                "gdn_dt_min",
+                "gdn_dt_max",
+                "gdn_beta",
+                "gdn_beta_bias",
+                "gdn_init",
+            )
             path.write_text(json.dumps({k: v for k, v in data.items() if k not in new_keys}))
             manifest = json.loads((final / "MANIFEST.json").read_text())
             manifest["files"]["hybrid_config.json"] = path.stat().st_size
@@ -215,6 +299,8 @@ def test_export_loads_with_and_without_mu(tmp_path):
         (dict(gdn_dt_min=0.0), "0 < gdn_dt_min"),
         (dict(gdn_beta=1.0), "strictly between 0 and 1"),
         (dict(gdn_beta="high"), "must be a number"),
+        (dict(gdn_init="teacher"), "gdn_beta_bias=True"),
+        (dict(gdn_init="entropy"), "gdn_init"),
     ],
 )
 def test_bad_init_settings_are_refused(changes, words):

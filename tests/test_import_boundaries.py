@@ -1,5 +1,6 @@
 """Package boundaries: ``hydrahead_jax.models`` is the teacher alone (it imports nothing from ``hybrid``,
-``selection`` or ``training``), and ``pallas_kernels`` stands alone (it never imports ``hydrahead_jax``).
+``selection`` or ``training``), ``hydrahead_jax.context_parallel`` likewise (the hybrid calls it, never the other
+way), and ``pallas_kernels`` stands alone (it never imports ``hydrahead_jax``).
 
 Two independent checks: the import statements in the source (``ast``, so a lazy import inside a function counts
 too), and the modules a fresh interpreter has loaded after importing the package.
@@ -16,8 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS_MUST_NOT_IMPORT = ("hydrahead_jax.hybrid", "hydrahead_jax.selection", "hydrahead_jax.training")
+# context_parallel (the sequence-parallel attention, gated delta rule and causal conv) sits below the hybrid model
+# that calls it: importing hybrid back would be a cycle.
+CONTEXT_PARALLEL_MUST_NOT_IMPORT = MODELS_MUST_NOT_IMPORT
 BOUNDARIES = {
     "hydrahead_jax/models": MODELS_MUST_NOT_IMPORT,
+    "hydrahead_jax/context_parallel": CONTEXT_PARALLEL_MUST_NOT_IMPORT,
     "pallas_kernels": ("hydrahead_jax",),
 }
 
@@ -64,7 +69,12 @@ def test_the_ast_check_sees_lazy_and_relative_imports(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "package,forbidden", [("hydrahead_jax.models", MODELS_MUST_NOT_IMPORT), ("pallas_kernels", ("hydrahead_jax",))]
+    "package,forbidden",
+    [
+        ("hydrahead_jax.models", MODELS_MUST_NOT_IMPORT),
+        ("hydrahead_jax.context_parallel", CONTEXT_PARALLEL_MUST_NOT_IMPORT),
+        ("pallas_kernels", ("hydrahead_jax",)),
+    ],
 )
 def test_a_fresh_import_loads_nothing_across_the_boundary(package, forbidden):
     code = (

@@ -133,9 +133,13 @@ def test_unsupported_architecture_in_config_json(tiny, tmp_path):
 
 def test_unsupported_rope_scaling(tiny, tmp_path):
     folder, hf = _copy(tiny, "llama", tmp_path / "m")
+    hf["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 5e5, "mrope_section": [2, 3, 3]}
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"config\.json: rope scaling type 'mrope' is not supported"):
+        read_hf_folder(folder)
     hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
     (folder / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(CheckpointError, match=r"config\.json: rope scaling type 'llama3' is not supported"):
+    with pytest.raises(CheckpointError, match=r"config\.json: rope scaling 'llama3'.*low_freq_factor"):
         read_hf_folder(folder)
 
 

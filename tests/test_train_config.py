@@ -344,3 +344,82 @@ def test_the_data_modules_import_each_other_without_a_cycle():
         return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in graph.get(start, ()))
 
     assert [m for m in graph if reaches(m, m)] == []
+
+
+# ------------------------------------------------------------------------------------------------ schedules, groups
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: setattr(c.stage1, "warmup_fraction", 1.0), "config.stage1.warmup_fraction=1.0: must be in [0, 1)"),
+        (lambda c: setattr(c.stage2, "warmup_start_ratio", 2.0), "Fix: --config.stage2.warmup_start_ratio=0.1"),
+        (lambda c: setattr(c.stage2, "lr_scale_other", -1.0), "(0 freezes). Fix: --config.stage2.lr_scale_other=1.0"),
+    ],
+)
+def test_bad_schedule_and_group_settings_name_the_fix(edit, message):
+    c = tiny_config()
+    edit(c)
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_recipe(c)
+    assert message in str(err.value)
+
+
+def test_warmup_is_a_fraction_of_the_steps_and_starts_above_zero():
+    c = tiny_config()
+    c.stage2.steps, c.stage2.warmup_fraction, c.stage2.warmup_start_ratio, c.stage2.lr = 40, 0.1, 0.25, 1e-3
+    scfg = RunConfig.from_recipe(c).stage(STAGES[1])
+    assert scfg.warmup == 4  # 10 % of 40 steps, whatever warmup_steps says
+    _, schedule = steps.stage_optimizer(scfg, scfg.total_steps)
+    # linear from lr·0.25 at step 0 to lr at step 4: 2.5e-4, 4.375e-4, ..., 1e-3
+    # (the schedule computes in float32: measured relative error 1.6e-7)
+    np.testing.assert_allclose(
+        [float(schedule(i)) for i in range(5)], [2.5e-4, 4.375e-4, 6.25e-4, 8.125e-4, 1e-3], rtol=1e-6
+    )
+
+
+def test_per_group_learning_rates_equal_one_adamw_per_group():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from hydrahead_jax.hybrid.build import param_group
+
+    params = {
+        "layers": {"0": {"self_attn": {"q_proj": {"kernel": jnp.ones((3, 2))}, "gdn": {"dt_bias": jnp.ones(2)}}}},
+        "embed_tokens": {"embedding": jnp.ones((4, 2))},
+    }
+    grads = jax.tree.map(lambda p: jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) - 1.5, params)
+    scales = {"new": 1.0, "attention": 0.1, "other": 0.5}
+    tx, _ = steps.make_optimizer(
+        lr=1e-2, warmup_steps=0, total_steps=10, clip_norm=0, weight_decay=0.1, lr_scales=scales
+    )
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+    got = dict(jax.tree_util.tree_leaves_with_path(updates))
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        group = param_group(path)
+        # the reference: AdamW of that group alone at lr · scale (the cosine schedule, scaled)
+        ref_schedule = optax.cosine_decay_schedule(1e-2 * scales[group], 10, alpha=0.1)
+        ref = optax.adamw(ref_schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+        g = jax.tree_util.tree_leaves_with_path(grads)
+        g = dict(g)[path]
+        ref_state = ref.init(p)
+        for _ in range(2):
+            want, ref_state = ref.update(g, ref_state, p)
+        np.testing.assert_allclose(got[path], want, rtol=1e-6)
+    assert {param_group(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)} == {"new", "attention", "other"}
+
+
+def test_a_group_at_scale_zero_is_frozen():
+    from flax import nnx
+
+    from hydrahead_jax.hybrid import HeadMap, build_model
+    from hydrahead_jax.hybrid.build import trainable_filter
+
+    cfg = tiny_config()
+    model_cfg = RunConfig.from_recipe(cfg).teacher.model
+    model = build_model(model_cfg, HeadMap.from_fa_groups(model_cfg, [[0]] * model_cfg.num_layers, method="test"))
+    trained = [p for p, _ in nnx.to_flat_state(nnx.state(model, trainable_filter("all", {"other": 0.0})))]
+    assert trained and all("self_attn" in p for p in trained)  # attention and the new GDN/fusion parameters
+    assert any("gdn" in p for p in trained) and any("q_proj" in p for p in trained)
+    assert not any("mlp" in p or "embed_tokens" in p for p in trained)

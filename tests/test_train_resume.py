@@ -100,7 +100,7 @@ def test_corrupted_latest_checkpoint_falls_back(reference, tmp_path):
     (workdir / "metrics.jsonl").write_text("")
     proc = run_train(workdir, *STAGE1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "checkpoint step 10" in proc.stdout and "does not restore" in proc.stdout
+    assert "checkpoint step 10" in proc.stdout and "is damaged" in proc.stdout
     assert "resuming from step 8/10" in proc.stdout
     assert list((stage_dir / "corrupt").glob("10-*"))
     got = _losses(workdir)

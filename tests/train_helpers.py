@@ -65,9 +65,11 @@ def tiny_models(c, **hybrid_changes):
     return cfg, teacher, head_map, hybrid
 
 
-def run_tiny_distil(workdir, mesh, *, steps=5, **hybrid_changes):
+def run_tiny_distil(workdir, mesh, *, steps=5, checkpoint_every=None, model_changes=None, **hybrid_changes):
     """Stage 2 (distillation) of the tiny recipe for ``steps`` steps on ``mesh`` through the real trainer
-    (``run_stage``); returns (the logged losses, the student's final full pure state)."""
+    (``run_stage``); returns (the logged losses, the student's final full pure state). A ``workdir`` that exists
+    is resumed (the trainer's own resume); ``model_changes`` override fields of the teacher's model config;
+    ``checkpoint_every`` defaults to ``steps``."""
     import json
 
     import jax
@@ -80,7 +82,8 @@ def run_tiny_distil(workdir, mesh, *, steps=5, **hybrid_changes):
 
     c = tiny_config()
     c.stage2.steps = steps
-    c.stage2.checkpoint_every = steps
+    c.stage2.checkpoint_every = checkpoint_every or steps
+    c.teacher.model.update(model_changes or {})
     cfg, teacher, head_map, hybrid = tiny_models(c, **hybrid_changes)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, hybrid, nnx.Rngs(0))))
 
@@ -88,7 +91,7 @@ def run_tiny_distil(workdir, mesh, *, steps=5, **hybrid_changes):
         student = build_student(teacher, head_map, hybrid, rngs=nnx.Rngs(0))
         return jax.tree.map(lambda x: x.copy(), nnx.as_pure(nnx.state(student)))
 
-    workdir.mkdir()
+    workdir.mkdir(exist_ok=True)
     run = RunConfig.from_recipe(c)
     spec = StageSpec(
         stage=STAGES[1],

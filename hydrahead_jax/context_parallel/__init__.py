@@ -9,10 +9,8 @@ with a layout naming "sequence"), with the sequence mesh axes as the axis name o
 """
 
 from hydrahead_jax.context_parallel.attention import sequence_parallel_attention
-from hydrahead_jax.context_parallel.gated_delta import (
-    sequence_parallel_causal_conv,
-    sequence_parallel_gated_delta_rule,
-)
+from hydrahead_jax.context_parallel.causal_conv import sequence_parallel_causal_conv
+from hydrahead_jax.context_parallel.gated_delta import sequence_parallel_gated_delta_rule
 from hydrahead_jax.context_parallel.layout import (
     LAYOUTS,
     MODEL_LAYOUT,

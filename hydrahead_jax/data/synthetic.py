@@ -4,6 +4,8 @@ Tasks (RULER-style wording, plain text, no chat template, answerable by a small 
   niah_single        one needle "One of the special magic numbers for <key> is: <value>."
   niah_multikey      several needles with different keys; the question asks for one of them
   niah_multivalue    several values for the same key; the answer lists them in order of appearance
+  niah_multiquery    several keys asked at once (``niah(num_queries=...)``); the answer lists their values
+                     (``needle_haystack``: filler made of distractor needles; ``key_type="uuid"``: uuid keys)
   passkey            "The pass key is <5 digits>. Remember it."
   kv_retrieval       a JSON object of uuid keys → uuid values; the question names one key
   variable_tracking  a chain VAR A = 12345. VAR B = VAR A. ...; the answer lists every variable
@@ -233,6 +235,37 @@ def _depth(b: _Builder, depth: float | None) -> float:
     return float(depth)
 
 
+class _NeedleFiller:
+    """A haystack made of distractor needles (RULER's ``type_haystack: needle``): each "sentence" is one needle
+    with a fresh key and value, none of them a key of the prompt's own needles."""
+
+    def __init__(self, b: _Builder, noun_pl: str, needle_type: str, make_key: Callable[[], str], taken: list[str]):
+        self.b, self.noun_pl, self.needle_type, self.make_key, self.taken = (
+            b,
+            noun_pl,
+            needle_type,
+            make_key,
+            set(taken),
+        )
+
+    def fill(self, rng: np.random.Generator, budget: int) -> list[np.ndarray]:
+        out, total = [], 0
+        while total < budget:
+            key = self.make_key()
+            if key in self.taken:
+                continue
+            self.taken.add(key)
+            value = self.b.value(self.needle_type)
+            ids = np.asarray(self.b.ids(f" One of the special magic {self.noun_pl} for {key} is: {value}."), np.int32)
+            out.append(ids[: budget - total])
+            total += len(out[-1])
+        return out
+
+
+def _join(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def niah(
     tokenizer: TokenizerLike,
     haystack: Haystack,
@@ -243,34 +276,51 @@ def niah(
     needle_type: str = "number",
     num_keys: int = 1,
     num_values: int = 1,
+    num_queries: int = 1,
+    key_type: str = "word",
+    needle_haystack: bool = False,
     count_answer: bool = False,
     task: str | None = None,
 ) -> SyntheticExample:
     """Needle in a haystack. num_keys > 1: distractor needles with other keys (multi-key);
-    num_values > 1: several values for the asked key, all to be listed (multi-value)."""
+    num_values > 1: several values for the asked key, all to be listed (multi-value); num_queries > 1: that many
+    keys asked at once, their values listed in the order asked (multi-query). key_type "word" (two words joined by
+    a hyphen) or "uuid". needle_haystack: the filler is distractor needles instead of ``haystack`` text."""
     task = task or (
         "niah_single"
-        if num_keys == 1 and num_values == 1
+        if num_keys == 1 and num_values == 1 and num_queries == 1
         else "niah_multikey"
-        if num_values == 1
+        if num_values == 1 and num_queries == 1
         else "niah_multivalue"
+        if num_queries == 1
+        else "niah_multiquery"
     )
+    if num_values > 1 and num_queries > 1:
+        raise ValueError("niah: ask either several values of one key or one value of several keys, not both.")
+    if key_type not in ("word", "uuid"):
+        raise ValueError(f"niah: key_type must be 'word' or 'uuid', not {key_type!r}.")
     b = _Builder(task, tokenizer, seed)
     b.value(needle_type)  # validates the type before any work
     noun, noun_pl = _TYPE_NOUN[needle_type]
-    keys = b.distinct(b.key, num_keys)
+    make_key = b.key if key_type == "word" else lambda: b.value("uuid")
+    num_keys = max(num_keys, num_queries)
+    keys = b.distinct(make_key, num_keys)
     values = b.distinct(lambda: b.value(needle_type), num_keys + num_values - 1)
     first = _depth(b, depth)
-    # asked key: keys[0] with values[:num_values]; distractor key k>0 with values[num_values + k - 1]
+    # asked keys[:num_queries]; keys[0] holds values[:num_values], key k > 0 holds values[num_values + k - 1]
     placements = [
         (keys[0], v, first if i == 0 else float(b.rng.uniform(0, 1))) for i, v in enumerate(values[:num_values])
     ]
     placements += [(keys[k], values[num_values + k - 1], float(b.rng.uniform(0, 1))) for k in range(1, num_keys)]
-    asked = sorted((p for p in placements if p[0] == keys[0]), key=lambda p: p[2])
+    asked_keys = keys[:num_queries]
+    if num_queries == 1:  # the values of the one asked key, in order of appearance
+        asked = sorted((p for p in placements if p[0] == keys[0]), key=lambda p: p[2])
+    else:  # one value per asked key, in the order asked
+        asked = [next(p for p in placements if p[0] == k) for k in asked_keys]
     answer_index = {p[1]: i for i, p in enumerate(asked)}
     needles = []
     for key, value, d in placements:
-        tag = f"answer:{answer_index[value]}" if key == keys[0] else "needle"
+        tag = f"answer:{answer_index[value]}" if value in answer_index else "needle"
         needles.append(
             (
                 d,
@@ -282,17 +332,20 @@ def niah(
             )
         )
     answer_ids = [t for p in asked for t in b.ids(" " + p[1])]
-    if num_values == 1:
+    if num_values == 1 and num_queries == 1:
         q = (
             f"\nWhat is the special magic {noun} for {keys[0]} mentioned in the provided text? "
             f"Answer: The special magic {noun} for {keys[0]} mentioned in the provided text is:"
         )
     else:
+        asked_text = _join(asked_keys)
         q = (
-            f"\nWhat are all the special magic {noun_pl} for {keys[0]} mentioned in the provided text? "
-            f"Answer: The special magic {noun_pl} for {keys[0]} mentioned in the provided text are:"
+            f"\nWhat are all the special magic {noun_pl} for {asked_text} mentioned in the provided text? "
+            f"Answer: The special magic {noun_pl} for {asked_text} mentioned in the provided text are:"
         )
     prefix = b.ids(NIAH_PREFIX.format(noun_pl=noun_pl))
+    if needle_haystack:
+        haystack = _NeedleFiller(b, noun_pl, needle_type, make_key, keys)
     return _with_haystack(b, haystack, length, count_answer, prefix, needles, b.ids(q), answer_ids)
 
 

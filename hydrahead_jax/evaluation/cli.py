@@ -45,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lengths",
         default=None,
-        help="retrieval context lengths, e.g. 1k,2k,4k,8k,16k,32k (also the ppl/efficiency lengths unless given)",
+        help="retrieval context lengths, e.g. 1k,2k,4k,8k,16k,32k (also the ppl/efficiency lengths unless given, "
+        "and the RULER lengths, which are otherwise 1k … 128k)",
     )
     p.add_argument("--ppl-lengths", default=None, help="held-out text window lengths")
     p.add_argument("--efficiency-lengths", default=None, help="context lengths of the efficiency measurements")
     p.add_argument("--depths", default=None, help="NIAH needle depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     p.add_argument("--samples", type=int, default=None, help="prompts per retrieval cell")
+    p.add_argument("--ruler-samples", type=int, default=None, help="prompts per RULER task and length (default 50)")
     p.add_argument("--ppl-windows", type=int, default=None, help="windows per (source, length)")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per efficiency point")
     p.add_argument("--seed", type=int, default=0)
@@ -92,7 +94,7 @@ def settings_from_args(args) -> Settings:
             raise SuiteError(f"--depths {args.depths!r}: write fractions like 0,0.5,1.") from None
         if not depths or any(not 0 <= d <= 1 for d in depths):
             raise SuiteError(f"--depths {args.depths!r}: every depth must lie in [0, 1].")
-    for flag in ("samples", "ppl_windows", "decode_steps", "mesh_sequence"):
+    for flag in ("samples", "ruler_samples", "ppl_windows", "decode_steps", "mesh_sequence"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SuiteError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     texts = None
@@ -111,6 +113,8 @@ def settings_from_args(args) -> Settings:
         suites=suites,
         depths=depths,
         samples=args.samples,
+        ruler_samples=args.ruler_samples,
+        ruler_lengths=lengths,
         ppl_windows=args.ppl_windows,
         decode_steps=args.decode_steps,
         seed=args.seed,

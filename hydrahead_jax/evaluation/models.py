@@ -44,9 +44,14 @@ class EvalModel:
 
 
 def describe(model: nnx.Module) -> dict:
-    """Parameter count and attention layout: FA groups per layer vs KV groups in all."""
+    """Parameter count (each layer's own parameters: not the zero slots of a HydraHead student's stacked GDN and
+    fusion parameters, ``HydraHeadAttention.unused_parameters``) and attention layout: FA groups per layer vs KV
+    groups in all."""
     params = nnx.state(model, nnx.Param)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+    unused = getattr(model.layers.self_attn, "unused_parameters", None)
+    if unused is not None:
+        n_params -= sum(unused(kind) for kind in model.layer_kinds)
     cfg = model.cfg
     fa = model.fa_groups_per_layer
     return {
@@ -144,15 +149,12 @@ def load_model(spec: str) -> EvalModel:
             "folder with config.json and *.safetensors, or a .gguf file."
         )
     from hydrahead_jax.export import DamagedExportError, load_hydrahead
+    from hydrahead_jax.training.checkpoint import CheckpointReadError
 
     try:
         model, tok = load_hydrahead(str(path))
-    except DamagedExportError as err:
+    except (DamagedExportError, CheckpointReadError) as err:  # anything else is a bug: it propagates as it is
         raise ModelSpecError(f"--model {spec!r}: {err}") from None
-    except Exception as err:  # any failure here means the folder is not a usable export
-        raise ModelSpecError(
-            f"--model {spec!r}: {path} is not a loadable HydraHead export ({type(err).__name__}: {err})."
-        ) from err
     if tok is None:
         raise ModelSpecError(
             f"--model {spec!r}: {path} records no tokenizer (it was trained from a random "

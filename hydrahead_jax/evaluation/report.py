@@ -13,7 +13,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hydrahead_jax.evaluation import ruler
 from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS
+from hydrahead_jax.evaluation.intervals import bootstrap_interval, wilson_interval
 
 MEMORY_NOTE = (
     "Peak memory is XLA's compiled memory_analysis of the prefill / decode-step executable "
@@ -42,12 +44,14 @@ def aggregate(suite) -> list[dict]:
     for (model, task, length, depth), rs in sorted(
         cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], -1 if kv[0][3] is None else kv[0][3])
     ):
+        correct = int(sum(bool(r["correct"]) for r in rs))
         rec = {
             "model": model,
             "task": task,
             "synthetic_task": RETRIEVAL_TASKS[task],
             "metric": "accuracy",
-            "value": float(np.mean([r["correct"] for r in rs])),
+            "value": correct / len(rs),
+            "ci95": list(wilson_interval(correct, len(rs))),
             "length": length,
             "n": len(rs),
             "seeds": [r["seed"] for r in rs],
@@ -86,12 +90,19 @@ def aggregate(suite) -> list[dict]:
         if parts["top1"]:
             teacher = suite.teacher.name
             top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
+            # bootstrap over windows (rows), each weighted by its token count
+            sizes = [len(x) for x in parts["top1"]]
+            row_ci = {
+                name: list(bootstrap_interval([float(np.mean(x)) for x in parts[name]], sizes))
+                for name in ("top1", "kl")
+            }
             records.append(
                 {
                     **base,
                     "task": "agreement",
                     "metric": "top1",
                     "value": float(top1.mean()),
+                    "ci95": row_ci["top1"],
                     "teacher": teacher,
                     "positions": int(top1.size),
                 }
@@ -102,6 +113,7 @@ def aggregate(suite) -> list[dict]:
                     "task": "agreement",
                     "metric": "kl",
                     "value": float(kl.mean()),
+                    "ci95": row_ci["kl"],
                     "teacher": teacher,
                     "positions": int(kl.size),
                     "unit": "nats, KL(teacher || model)",
@@ -160,6 +172,8 @@ def write_outputs(suite, out_dir: str | Path) -> dict:
         "teacher": None if suite.teacher is None else suite.teacher.name,
         "results": records,
         "samples": suite.samples,
+        "ruler": ruler.aggregate(suite.ruler_samples, {m.name: m.train_length for m in suite.models}),
+        "ruler_samples": suite.ruler_samples,
         "skipped": suite.skipped,
         "notes": suite.notes,
         "seconds": [{"model": k[0], "task": k[1], "seconds": v} for k, v in suite.seconds.items()],
@@ -212,11 +226,32 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + [""]
 
 
+def pooled_accuracy(records: list[dict]) -> dict | None:
+    """One accuracy record of several cells' records (NIAH's depths of one length): k = Σ value·n right of
+    n = Σ n prompts, with its Wilson interval; None for no records."""
+    if not records:
+        return None
+    n = sum(r["n"] for r in records)
+    k = int(round(sum(r["value"] * r["n"] for r in records)))
+    return {"value": k / n, "n": n, "ci95": list(wilson_interval(k, n))}
+
+
+def _fmt_record(record: dict, kind: str) -> str:
+    """The value, with its 95 % interval in brackets when the record has one (``ci95``)."""
+    text = _fmt(record["value"], kind)
+    if record.get("ci95") is None:
+        return text
+    lo, hi = record["ci95"]
+    if kind == "pct":
+        return f"{text} [{100 * lo:.0f}–{100 * hi:.0f}]"
+    return f"{text} [{_fmt(lo, kind)}–{_fmt(hi, kind)}]"
+
+
 def _side_by_side(records, names, row_keys, match_fn, kind, label_fn) -> list[str]:
     rows = []
     for key in row_keys:
         found = _lookup(records, **match_fn(key))
-        rows.append([label_fn(key)] + [_fmt(found[n]["value"], kind) if n in found else "–" for n in names])
+        rows.append([label_fn(key)] + [_fmt_record(found[n], kind) if n in found else "–" for n in names])
     return rows
 
 
@@ -277,6 +312,15 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
                     "pct",
                     lambda k: f"{k[0]} @ depth {k[1]:.2f}",
                 )
+                for length in sorted({r["length"] for r in task_recs}):  # every depth of a length pooled
+                    pooled = {
+                        n: pooled_accuracy([r for r in task_recs if r["model"] == n and r["length"] == length])
+                        for n in names
+                    }
+                    rows.append(
+                        [f"{length} @ all depths"]
+                        + [_fmt_record(pooled[n], "pct") if pooled[n] else "–" for n in names]
+                    )
                 lines += _table(["length @ depth"] + names, rows)
             else:
                 keys = sorted({r["length"] for r in task_recs})
@@ -284,7 +328,7 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
                     ["length"] + names, _side_by_side(task_recs, names, keys, lambda k: {"length": k}, "pct", str)
                 )
             n = sorted({r["n"] for r in task_recs})
-            lines += [f"n = {', '.join(map(str, n))} prompt(s) per cell.", ""]
+            lines += [f"n = {', '.join(map(str, n))} prompt(s) per cell; Wilson 95 % intervals in brackets.", ""]
         lines += [f"![{p}]({p})" for p in plots.get("retrieval", [])] + [""]
 
     ppl = [r for r in recs if r["task"] == "ppl"]
@@ -354,6 +398,7 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
             lines += _table(["context"] + names, _side_by_side(sub, names, keys, lambda k: {"length": k}, kind, str))
         lines += [f"![{p}]({p})" for p in plots.get("efficiency", [])] + [""]
 
+    lines += ruler.render(results.get("ruler", []), names, plots.get("ruler", []))
     if results["skipped"] or results["notes"]:
         lines += ["## Skipped", ""]
         lines += _table(
@@ -499,4 +544,5 @@ def make_plots(results: dict, out: Path) -> dict[str, list[str]]:
             ax.set_xlabel("context length")
         axes[0][0].legend(fontsize=7)
         save(fig, "efficiency_vs_length.png", "efficiency")
+    made["ruler"] = ruler.plot(results.get("ruler", []), names, out, lambda name: _style(results, name), train_lengths)
     return dict(made)

@@ -2,7 +2,9 @@
 
 Suite names: niah, passkey, multikey, multivalue, kv, vt (retrieval by greedy decoding through the decode
 cache), ppl (held-out perplexity), agreement (top-1 and KL against the teacher), efficiency (cache bytes, prefill
-and decode time, compiled memory); ``all`` = every one of them, ``demo`` = a short preset (see DEMO).
+and decode time, compiled memory); ``all`` = every one of them, ``demo`` = a short preset (see DEMO);
+``ruler`` = the RULER tasks (``ruler:niah_single_1`` … ``ruler:fwe``, see ``evaluation.ruler``), at
+``ruler_lengths`` with ``ruler_samples`` prompts per task and length.
 
 A unit that does not fit in memory (``runner.OutOfMemory``, checked from the compiled executable before
 anything is allocated, or an allocation error) or whose prompt cannot be built at that length is recorded in
@@ -21,13 +23,18 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from hydrahead_jax.evaluation import tasks
+from hydrahead_jax.evaluation import ruler, tasks
 from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS, Inputs, sample_depths, tokenizer_key
 from hydrahead_jax.evaluation.models import EvalModel
 from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
 
-SUITES = (*RETRIEVAL_TASKS, "ppl", "agreement", "efficiency")
-PRESETS = {"all": SUITES, "demo": ("niah", "passkey", "ppl", "agreement", "efficiency")}
+BASE_SUITES = (*RETRIEVAL_TASKS, "ppl", "agreement", "efficiency")
+SUITES = (*BASE_SUITES, *ruler.SUITE_NAMES)
+PRESETS = {
+    "all": BASE_SUITES,
+    "demo": ("niah", "passkey", "ppl", "agreement", "efficiency"),
+    "ruler": ruler.SUITE_NAMES,
+}
 
 
 class SuiteError(ValueError):
@@ -88,6 +95,8 @@ class Settings:
     memory_limit: int | None = None
     mesh_sequence: int = 1  # > 1: prefills split each prompt's tokens over this many devices (context parallelism)
     haystack: str | None = None
+    ruler_lengths: tuple[int, ...] = ruler.LENGTHS
+    ruler_samples: int = ruler.DEFAULT_SAMPLES  # prompts per (RULER task, length)
     texts: dict | None = None
     corpus: dict | None = None  # training corpus settings (source, validation_fraction, …) for the val split
 
@@ -165,6 +174,8 @@ class Suite:
         if self.teacher is not None and self.teacher.name not in self.runners:
             self.runners[self.teacher.name] = Runner(self.teacher.model, memory_limit=settings.memory_limit, mesh=mesh)
         self.samples: list[dict] = []
+        self.ruler_samples: list[dict] = []
+        self._ruler_inputs: dict = {}
         self.text_parts: dict = defaultdict(lambda: defaultdict(list))
         self.efficiency: list[dict] = []
         self.skipped: list[dict] = []
@@ -182,7 +193,11 @@ class Suite:
         first_text = next((t for t in s.suites if t in ("ppl", "agreement")), None)
         for m in self.models:
             for task in s.suites:
-                if task in RETRIEVAL_TASKS:
+                if task in ruler.SUITE_NAMES:
+                    for length in s.ruler_lengths:
+                        for i in range(s.ruler_samples):
+                            units.append(Unit(m, task, length, self._ruler_unit(m, task, length, i)))
+                elif task in RETRIEVAL_TASKS:
                     for length in s.retrieval_lengths:
                         cells = (
                             [(d, i) for d in s.depths for i in range(s.samples)]
@@ -207,7 +222,7 @@ class Suite:
         s = self.settings
         for m in self.models:
             try:
-                if any(t in RETRIEVAL_TASKS for t in s.suites):
+                if any(t in RETRIEVAL_TASKS or t in ruler.SUITE_NAMES for t in s.suites):
                     self.inputs.haystack(m.tokenizer)
                 if "ppl" in s.suites or "agreement" in s.suites:
                     for name in self.inputs.source_names():
@@ -263,6 +278,44 @@ class Suite:
                     "sample": sample,
                     "nominal_length": length,
                     **rec,
+                }
+            )
+
+        return run
+
+    def _ruler_unit(self, m: EvalModel, task: str, length: int, sample: int):
+        """Sample ``sample`` of a RULER task: seed = settings.seed + sample, needle depth (i + ½)/n."""
+
+        def run():
+            key = tokenizer_key(m.tokenizer)
+            if key not in self._ruler_inputs:
+                self._ruler_inputs[key] = ruler.RulerInputs(m.tokenizer, self.inputs.haystack(m.tokenizer))
+            name = task.removeprefix(ruler.SUITE_PREFIX)
+            depth = sample_depths(self.settings.ruler_samples)[sample]
+            try:
+                ex = ruler.build(
+                    name, self._ruler_inputs[key], length=length, seed=self.settings.seed + sample, depth=depth
+                )
+            except ValueError as err:
+                raise _Unbuildable(f"no prompt at this length: {err}") from err
+            gen = self.runners[m.name].generate(ex.prompt_ids[None], ex.max_new_tokens, eos_id=m.tokenizer.eos_id)
+            ids = [int(t) for t in gen.tokens[0]]
+            if m.tokenizer.eos_id is not None and m.tokenizer.eos_id in ids:
+                ids = ids[: ids.index(m.tokenizer.eos_id)]
+            prediction = m.tokenizer.decode(ids)
+            self.ruler_samples.append(
+                {
+                    "model": m.name,
+                    "task": name,
+                    "nominal_length": length,
+                    "length": int(len(ex.prompt_ids)),
+                    "sample": sample,
+                    "seed": ex.seed,
+                    "depth": ex.depth,
+                    "answers": ex.answers,
+                    "prediction": prediction,
+                    "score": ruler.score(prediction, ex),
+                    "prefill_s": gen.prefill_s,
                 }
             )
 

@@ -501,9 +501,15 @@ def evaluate(model, tokenizer, teacher, teacher_tokenizer, run, settings, ids, n
 
 
 def _read_json(path: Path) -> Any:
+    """The JSON in ``path``; None when it is missing, or damaged (said so: what it holds is computed again; the
+    comparison writes its files atomically, so only damage makes one unreadable). Any other read error (a
+    filesystem's, permissions) propagates: it is no reason to redo finished work."""
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        print(f"[compare] WARNING: {path} is damaged ({err}); computing it again", flush=True)
         return None
 
 
@@ -809,13 +815,17 @@ def merged_records(
 
 
 def _metrics_rows(vdir: Path) -> list[dict]:
+    """The rows of the variant's metrics.jsonl ([] when it has none). A line that does not decode (the last one,
+    when a run was killed while appending it) is left out, the others kept; a read error propagates."""
+    path = vdir / "metrics.jsonl"
+    if not path.exists():
+        return []
     rows = []
-    try:
-        for line in (vdir / "metrics.jsonl").read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    except (OSError, json.JSONDecodeError):
-        rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return rows
 
 

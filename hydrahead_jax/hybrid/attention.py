@@ -18,17 +18,22 @@ to original). Layers then differ only in f, their *kind*: the model's layers are
 shape (``Transformer.layers``), the GDN heads held at the model's largest LA head count, and the scan body
 switches on f, so each distinct f compiles once whatever the depth.
 
-Scale-normalised fusion (our design; the paper's formula is not public). For every head h it touches (the LA heads
-for ``la_only``, all heads of the layer for ``both``):
+Fusion (our design; the paper's formula is not public). ``la_scale`` (the default) touches only the LA heads and
+does not normalise them: the kept FA heads are the teacher's heads, unchanged, and each LA head h is scaled and
+offset,
 
-    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε) (+ μ_h)   γ_h ∈ R (``head``) or R^D (``channel``)
+    ô_{t,h} = γ_h ⊙ o_{t,h} (+ μ_h)                                  (``la_scale``)
 
-FA and LA heads produce outputs of very different magnitude (a softmax average of values vs a delta-rule state
-read-out); normalising each head and rescaling it to what the teacher's head produced puts them on the teacher's
-scale. γ is learnable, initialised from the teacher's measured per-head output RMS or by a least-squares fit to
-the teacher's head outputs (``hybrid/fusion.py``). The optional offset μ_h ∈ R^D (``fusion_bias``) carries the
-part of a teacher head's output that does not depend on the token (attention-sink heads output nearly a
-constant). ``none`` leaves outputs untouched.
+so the output gate's per-token magnitude (RMSNorm(o)·w·silu(z), ``hybrid/gdn.py``) survives: an LA head can go
+quiet where its teacher head is idle. The normalising modes divide each touched head by its per-token RMS first,
+
+    ô_{t,h} = γ_h ⊙ o_{t,h} / sqrt(mean_c o_{t,h,c}² + ε) (+ μ_h)   (``la_only``: the LA heads; ``both``: all heads)
+
+γ_h ∈ R (``head``) or R^D (``channel``), learnable, initialised from the teacher's measured per-head output RMS or
+by a least-squares fit to the teacher's head outputs (``hybrid/fusion.py``). The optional offset μ_h ∈ R^D
+(``fusion_bias``) carries the part of a teacher head's output that does not depend on the token (attention-sink
+heads output nearly a constant). ``both`` also renormalises the kept FA heads per token, so they are no longer
+the teacher's heads (measured on the SmolLM2 demo student: bench/RESULTS.md); ``none`` leaves outputs untouched.
 
 Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
 and, with the conv, conv_state [B, conv_size−1, C] for the LA groups (the model stacks it per kind).
@@ -62,13 +67,25 @@ from hydrahead_jax.models.layers import rms_normalize
 
 
 class ScaleFusion(nnx.Module):
-    """Per-head RMS normalisation times a learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at
-    construction) for ``num_heads`` head slots; a layer fusing fewer heads uses the first ones (``__call__``)."""
+    """A learnable γ (plus, with ``bias``, a learnable offset μ [H, D], zero at construction) for ``num_heads``
+    head slots, after a per-head RMS normalisation when ``normalize``; a layer fusing fewer heads uses the first
+    ones (``__call__``)."""
 
-    def __init__(self, num_heads: int, head_dim: int, *, granularity: str, eps: float, param_dtype, bias: bool = False):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        *,
+        granularity: str,
+        eps: float,
+        param_dtype,
+        bias: bool = False,
+        normalize: bool = True,
+    ):
         self.num_heads = int(num_heads)
         self.granularity = granularity
         self.eps = eps
+        self.normalize = normalize
         shape = (num_heads,) if granularity == "head" else (num_heads, head_dim)
         self.gamma = nnx.Param(
             jnp.ones(shape, param_dtype), out_sharding=("norm",) + (None,) * (len(shape) - 1), eager_sharding=False
@@ -85,7 +102,11 @@ class ScaleFusion(nnx.Module):
         n = o.shape[2]
         gamma = self.gamma[...][:n]
         gamma = gamma[:, None] if self.granularity == "head" else gamma
-        return _scale_rms_norm(o, gamma, None if self.mu is None else self.mu[...][:n], self.eps)
+        mu = None if self.mu is None else self.mu[...][:n]
+        if self.normalize:
+            return _scale_rms_norm(o, gamma, mu, self.eps)
+        y = o.astype(jnp.float32) * gamma.astype(jnp.float32)
+        return (y if mu is None else y + mu.astype(jnp.float32)).astype(o.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -122,9 +143,10 @@ class HydraHeadAttention(Attention):
     The layer's parameters hold its KV groups permuted so that its FA groups come first (``permute_groups``); the
     layer's static ``kind`` (``Transformer.layer_kinds``) is its FA-group count f: groups 0 … f−1 of the stored
     order are softmax, groups f … Hkv−1 Gated DeltaNet. ``fa_counts``: every f the model's layers use. The GDN
-    heads (and, for ``la_only``, the fusion slots) are held at the largest LA head count of the model; a layer
-    with fewer LA groups uses the first ones, the others stay zero (they receive no gradient). ``layer_fa``: this
-    layer's f, for its initial values (the GDN decay spread over its own LA heads, unused slots zero).
+    heads (and, for ``la_scale`` and ``la_only``, the fusion slots) are held at the largest LA head count of the
+    model; a layer with fewer LA groups uses the first ones, the others stay zero (they receive no gradient).
+    ``layer_fa``: this layer's f, for its initial values (the GDN decay spread over its own LA heads, unused slots
+    zero).
     f = Hkv is the teacher's layer unchanged (no GDN, no fusion), whatever the HybridConfig says."""
 
     def __init__(
@@ -169,7 +191,7 @@ class HydraHeadAttention(Attention):
             )
             nnx.update(self.gdn, values)
         if hc.fusion != "none":
-            slots = self.max_la_groups * cfg.group_size if hc.fusion == "la_only" else cfg.num_heads
+            slots = cfg.num_heads if hc.fusion == "both" else self.max_la_groups * cfg.group_size
             self.fusion = ScaleFusion(
                 slots,
                 cfg.head_dim,
@@ -177,6 +199,7 @@ class HydraHeadAttention(Attention):
                 eps=cfg.rms_norm_eps,
                 param_dtype=cfg.jnp_param_dtype,
                 bias=hc.fusion_bias,
+                normalize=hc.fusion != "la_scale",
             )
             used = self.fused_heads(layer_fa)
             if used < slots:
@@ -198,12 +221,36 @@ class HydraHeadAttention(Attention):
 
     def fused_heads(self, kind: int) -> int:
         """How many heads a layer of this kind fuses (the first slots of ``fusion``): its LA query heads for
-        ``la_only``, all query heads for ``both``, 0 for a softmax-only layer."""
+        ``la_scale`` and ``la_only``, all query heads for ``both``, 0 for a softmax-only layer."""
         if not self.is_hybrid(kind) or self.fusion is None:
             return 0
-        if self.hybrid_cfg.fusion == "la_only":
+        if self.hybrid_cfg.fusion in ("la_scale", "la_only"):
             return (self.cfg.num_kv_heads - kind) * self.cfg.group_size
         return self.cfg.num_heads
+
+    def unused_parameters(self, kind: int) -> int:
+        """How many entries of ``gdn`` and ``fusion`` (one layer's slice of them) a layer of this kind does not use:
+        the zero slots of the shapes every layer shares. A parameter count of the model without them counts each
+        layer's own GDN heads and fusion scales only."""
+        if self.hybrid_cfg is None:
+            return 0
+
+        def gdn_size(groups: int) -> int:
+            if not groups:
+                return 0
+            shape = nnx.eval_shape(
+                lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(groups)), rngs=nnx.Rngs(0))
+            )
+            return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(shape, nnx.Param)))
+
+        own = self.cfg.num_kv_heads - kind if self.is_hybrid(kind) else 0
+        unused = gdn_size(self.max_la_groups) - gdn_size(own)
+        if self.fusion is not None:
+            per_slot = (1 if self.hybrid_cfg.fusion_granularity == "head" else self.cfg.head_dim) + (
+                0 if self.fusion.mu is None else self.cfg.head_dim
+            )
+            unused += (self.fusion.num_heads - self.fused_heads(kind)) * per_slot
+        return unused
 
     def gdn_heads(self, kind: int) -> GatedDeltaNetHeads:
         """The GDN heads of a layer of this kind: ``gdn`` restricted to its Hkv − kind LA groups (a view whose
@@ -237,8 +284,9 @@ class HydraHeadAttention(Attention):
         return self._fused_outputs(x, positions, cache, cache_index, segment_ids, kind, fuse=True)
 
     def fusion_inputs(self, x: jax.Array, positions: jax.Array, kind: int | None = None) -> jax.Array:
-        """What the fusion of a layer of this kind receives (no cache): the LA heads' outputs for ``la_only``,
-        every head's for ``both``; [B,T,fused_heads(kind),D]. The fusion's calibration fits γ, μ on it."""
+        """What the fusion of a layer of this kind receives (no cache): the LA heads' outputs for ``la_scale`` and
+        ``la_only``, every head's for ``both``; [B,T,fused_heads(kind),D]. The fusion's calibration fits γ, μ on
+        it."""
         kind = self.resolve_kind(kind)
         if not self.fused_heads(kind):
             raise ValueError("this layer has no fusion (fusion='none', or every KV group is FA).")
@@ -270,7 +318,7 @@ class HydraHeadAttention(Attention):
         )
         if cache is not None:
             new_cache.update(la_cache)
-        if self.hybrid_cfg.fusion == "la_only":
+        if self.hybrid_cfg.fusion in ("la_scale", "la_only"):  # the FA heads pass through as the teacher's
             if not fuse:
                 return o_la, None
             o_la = self.fusion(o_la)

@@ -10,12 +10,36 @@ from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid.attention import HydraHeadAttention, group_order, permute_groups
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.fusion import calibrate_fusion
+from hydrahead_jax.hybrid.gdn_init import calibrate_gdn
 from hydrahead_jax.hybrid.head_map import HeadMap
 from hydrahead_jax.models.transformer import Transformer
 
 # The parameters a student has and its teacher does not: Gated DeltaNet heads and fusion scales (stage 1 trains
 # only these). Every other parameter is a copy of a teacher weight.
 new_param_filter = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("gdn"), nnx.PathContains("fusion")))
+
+PARAM_GROUPS = ("new", "attention", "other")  # the groups of per-group learning rates (StageConfig.lr_scale_*)
+TRAIN_FILTERS = {"new": new_param_filter, "all": nnx.Param}  # StageConfig.train -> the parameters it may train
+
+
+def param_group(path) -> str:
+    """The parameter group of a parameter's path (a jax key path or a tuple of names): "new" (the GDN heads and
+    fusion, as ``new_param_filter``), "attention" (the copied attention weights under ``self_attn``: q/k/v/o and
+    the q/k norms), "other" (embeddings, MLPs, layer norms, lm_head)."""
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if "gdn" in names or "fusion" in names:
+        return "new"
+    return "attention" if "self_attn" in names else "other"
+
+
+def trainable_filter(train: str, lr_scales: dict[str, float] | None = None):
+    """The nnx filter of the parameters a stage trains: ``TRAIN_FILTERS[train]`` without the groups whose
+    learning-rate scale is 0 (frozen)."""
+    base = TRAIN_FILTERS[train]
+    frozen = {g for g, scale in (lr_scales or {}).items() if scale == 0}
+    if not frozen:
+        return base
+    return nnx.All(base, lambda path, _: param_group(path) not in frozen)
 
 
 def build_model(
@@ -55,9 +79,10 @@ def build_student(
 ) -> Transformer:
     """A HydraHead student of ``teacher``: every teacher parameter (embeddings, norms, MLP, q/k/v/o and their
     biases, q/k norms, lm_head) copied exactly, each layer's KV groups permuted so its FA groups come first
-    (``permute_groups``), new GDN/fusion parameters at their initial values, and the fusion scales set from the
-    teacher on ``calibration_ids`` [B,T] when given. The student owns its arrays (copies), so it can be donated to
-    a jitted step while the teacher stays usable."""
+    (``permute_groups``), new GDN/fusion parameters at their initial values; with ``calibration_ids`` [B,T] the
+    GDN decays and β from the teacher's heads (``gdn_init="teacher"``) and then the fusion scales from the
+    teacher's head outputs (``fusion_init``). The student owns its arrays (copies), so it can be donated to a
+    jitted step while the teacher stays usable."""
     student = build_model(teacher.cfg, head_map, hybrid_cfg, rngs)
     if any(o != tuple(range(teacher.cfg.num_kv_heads)) for o in teacher.group_order):
         raise ValueError("build_student needs the teacher (its KV groups in their original order), not a student.")
@@ -80,6 +105,8 @@ def build_student(
     params["layers"] = permute_groups(params["layers"], teacher.cfg, student.group_order)
     nnx.update(student, params)
     if calibration_ids is not None:
+        if (hybrid_cfg or HybridConfig()).gdn_init == "teacher":
+            calibrate_gdn(student, teacher, calibration_ids)  # first: the fusion is fitted to these GDN heads
         calibrate_fusion(student, teacher, calibration_ids)
     return student
 

@@ -8,11 +8,12 @@ from typing import Any
 
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.context_parallel.attention import MODES as CONTEXT_PARALLEL_MODES
-from pallas_kernels.dispatch import IMPLEMENTATIONS
+from pallas_kernels.dispatch import implementations
 
-FUSIONS = ("none", "la_only", "both")
+FUSIONS = ("none", "la_scale", "la_only", "both")
 FUSION_GRANULARITIES = ("head", "channel")
 FUSION_INITS = ("rms", "fit")
+GDN_INITS = ("spread", "teacher")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +29,31 @@ class HybridConfig:
         content match. SmolLM2-135M, one FA group per layer, 123 tokens of prose, fusion la_only, at init:
         KL(teacher‖student) 2.46 nats/token (ppl 152) without RoPE vs 4.30 (ppl 1503) with it; teacher ppl 15.7,
         LA heads zeroed instead: ppl 44,559. The decay α already gives the LA heads a sense of recency.
-    fusion: scale-normalised fusion of head outputs: "none" (identity), "la_only", "both" (FA and LA heads).
+    fusion: how head outputs are recombined (``hybrid/attention.py``): "la_scale" (the LA heads scaled and offset,
+        γ ⊙ o + μ, without a second normalisation; the FA heads are the teacher's), "la_only" (the LA heads
+        RMS-normalised, then scaled), "both" (every head of a mixed layer RMS-normalised and scaled, the kept FA
+        heads too), "none" (identity). Default "la_scale", measured at init on the SmolLM2 demo student
+        (bench/RESULTS.md "Initialisation").
     fusion_granularity: one learnable γ per head ("head") or per head channel ("channel").
     fusion_bias: the fused heads get a learnable per-channel offset μ_h ∈ R^D after the scale,
         ô = γ_h ⊙ RMSNorm(o_h) + μ_h; zero-initialised (the model is unchanged until μ is fitted or trained).
         Off: no μ parameter (the parameter tree of models built before it existed).
-    fusion_init: how γ (and μ) start, from the calibration batch: "rms" (γ = the teacher head's output RMS, μ = 0)
-        or "fit" (γ, μ the least-squares fit of the fused head output to the teacher head's output, given the
-        student's normalised output at init; ``hybrid/fusion.py``). "fit" without ``fusion_bias`` fits γ alone.
+    fusion_init: how γ (and μ) start, from the calibration batch: "rms" (γ scales the fused head to the teacher
+        head's output RMS, μ = 0) or "fit" (γ, μ the least-squares fit of the fused head output to the teacher
+        head's output, given the student's fusion input at init; ``hybrid/fusion.py``). "fit" without
+        ``fusion_bias`` fits γ alone.
     gdn_dt_min, gdn_dt_max: range of the GDN heads' initial step dt (decay α = exp(−dt) per token at A = 1), spread
         geometrically over a layer's LA heads; memories of ~1/dt tokens.
     gdn_beta: the GDN heads' write strength β at init (W_b = 0): β_t = sigmoid(x_t W_b + logit(gdn_beta)), the
-        offset a constant of the model (0.5: no offset).
+        offset a constant of the model (0.5: no offset) unless ``gdn_beta_bias``.
+    gdn_beta_bias: the β offset is a trainable per-head parameter (``beta_bias``), starting at logit(gdn_beta) or
+        at the teacher-calibrated value. Off: no parameter (the parameter tree of models built before it existed).
+    gdn_qk_map: identity-initialised per-head maps on the LA heads' q and k before the L2 norm (new parameters, so
+        stage 1 with train="new" trains them): the LA heads can adapt their attention pattern while the teacher's
+        q/k/v weights, which the kept FA heads share, stay frozen (``hybrid/gdn.py``).
+    gdn_init: "spread" (dt spread over [gdn_dt_min, gdn_dt_max] by head index, β = gdn_beta) or "teacher" (each
+        LA head's dt from its teacher head's mean attention distance, clipped to [gdn_dt_min, gdn_dt_max], and β
+        from its attention entropy, on the calibration batch; ``hybrid/gdn_init.py``; needs gdn_beta_bias).
     gdn_chunk_size: chunk length of the chunked gated delta rule (prefill / training).
     gdn_implementation, attention_implementation: backend names passed to the kernels.
     attention_context_parallel: how the FA groups get their keys when the sequence is split over the ``sequence``
@@ -51,20 +65,23 @@ class HybridConfig:
     conv_size: int = 4
     use_output_gate: bool = True
     la_rope: bool = False
-    fusion: str = "both"
+    fusion: str = "la_scale"
     fusion_granularity: str = "head"
     fusion_bias: bool = False
     fusion_init: str = "rms"
     gdn_dt_min: float = 1e-3
     gdn_dt_max: float = 1e-1
     gdn_beta: float = 0.5
+    gdn_beta_bias: bool = False
+    gdn_init: str = "spread"
+    gdn_qk_map: bool = False
     gdn_chunk_size: int = 64
     gdn_implementation: str = "auto"
     attention_implementation: str = "auto"
     attention_context_parallel: str = "allgather"
 
     def __post_init__(self):
-        for field in ("use_conv", "use_output_gate", "la_rope", "fusion_bias"):
+        for field in ("use_conv", "use_output_gate", "la_rope", "fusion_bias", "gdn_beta_bias", "gdn_qk_map"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"HybridConfig.{field} must be True or False, got {getattr(self, field)!r}.")
         for field in ("conv_size", "gdn_chunk_size"):
@@ -92,8 +109,15 @@ class HybridConfig:
         if self.fusion == "none" and (self.fusion_bias or self.fusion_init != "rms"):
             raise ConfigError(
                 f"HybridConfig.fusion='none' has no fused heads, so fusion_bias={self.fusion_bias} and "
-                f"fusion_init={self.fusion_init!r} have nothing to act on; set fusion='la_only' or 'both', or leave "
-                "fusion_bias=False and fusion_init='rms'."
+                f"fusion_init={self.fusion_init!r} have nothing to act on; set fusion='la_scale', 'la_only' or "
+                "'both', or leave fusion_bias=False and fusion_init='rms'."
+            )
+        if self.gdn_init not in GDN_INITS:
+            raise ConfigError(f"HybridConfig.gdn_init={self.gdn_init!r}; choose one of {GDN_INITS}.")
+        if self.gdn_init == "teacher" and not self.gdn_beta_bias:
+            raise ConfigError(
+                "HybridConfig.gdn_init='teacher' sets a β offset per head, which needs the per-head parameter: "
+                "set gdn_beta_bias=True (or gdn_init='spread')."
             )
         for field in ("gdn_dt_min", "gdn_dt_max", "gdn_beta"):
             value = getattr(self, field)
@@ -109,9 +133,14 @@ class HybridConfig:
                 f"HybridConfig.gdn_beta={self.gdn_beta} is a sigmoid output: choose a value strictly between 0 and 1 "
                 "(0.5 is the default)."
             )
-        for field in ("gdn_implementation", "attention_implementation"):
-            if getattr(self, field) not in IMPLEMENTATIONS:
-                raise ConfigError(f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {IMPLEMENTATIONS}.")
+        for field, op in (
+            ("gdn_implementation", "chunk_gated_delta_rule"),
+            ("attention_implementation", "flash_attention"),
+        ):
+            if getattr(self, field) not in implementations(op):
+                raise ConfigError(
+                    f"HybridConfig.{field}={getattr(self, field)!r}; choose one of {implementations(op)}."
+                )
         if self.attention_context_parallel not in CONTEXT_PARALLEL_MODES:
             raise ConfigError(
                 f"HybridConfig.attention_context_parallel={self.attention_context_parallel!r}; "

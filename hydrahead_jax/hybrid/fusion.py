@@ -1,14 +1,21 @@
 """Calibration of the fusion scales γ and offsets μ (the fusion itself is ``hybrid.attention.ScaleFusion``).
 
-``fusion_init="rms"``: γ starts at the teacher's measured per-head attention-output RMS (before o_proj) on a
-calibration batch, so the fused heads start on the teacher's scale (μ, when there is one, stays 0):
+Below, n is what the fusion scales: the student's fusion input at initialisation, RMS-normalised per token for
+the normalising modes (n_t = RMSNorm(o^student_t), ``la_only``, ``both``) and as it is for ``la_scale`` (n_t =
+o^student_t, the output gate's result), computed from the teacher's own layer input (the layer-wise target of
+stage 1).
 
-    γ_h = sqrt(mean_{b,t,c} o^teacher_{b,t,h,c}²)       (``head``)
-    γ_{h,c} = sqrt(mean_{b,t} o^teacher_{b,t,h,c}²)     (``channel``)
+``fusion_init="rms"``: γ puts each fused head on the teacher head's measured attention-output RMS (before o_proj)
+on a calibration batch (μ, when there is one, stays 0):
+
+    γ_h = sqrt(mean_{b,t,c} o^teacher_{b,t,h,c}²) / sqrt(mean_{b,t,c} n_{b,t,h,c}²)       (``head``)
+    γ_{h,c} = sqrt(mean_{b,t} o^teacher_{b,t,h,c}²) / sqrt(mean_{b,t} n_{b,t,h,c}²)       (``channel``)
+
+For the normalising modes the denominator is 1 by construction (n has unit RMS per token, up to ε) and is not
+computed: γ is the teacher's RMS, the paper-style initialisation.
 
 ``fusion_init="fit"``: γ (and μ with ``fusion_bias``) minimise the squared error of the fused head output against
-the teacher's, given the student's normalised fusion input n_t = RMSNorm(o^student_t) at initialisation, both
-computed from the teacher's own layer input (the layer-wise target of stage 1):
+the teacher's:
 
     min_{γ_h, μ_h} Σ_t ‖γ_h n_{t,h} + μ_h − o^teacher_{t,h}‖²
 
@@ -127,7 +134,9 @@ def _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_stat
             return carry, (gamma, mu)
         target, _ = Attention.head_outputs(attn, x, positions)  # [B,T,Hq,D], before o_proj
         target = target[:, :, target.shape[2] - used :]
-        n = rms_normalize(attn.fusion_inputs(x, positions, kind), attn.fusion.eps)
+        n = attn.fusion_inputs(x, positions, kind)
+        if attn.fusion.normalize:
+            n = rms_normalize(n, attn.fusion.eps)
         flat = (-1, used, n.shape[-1])
         g, m = fit_scale_and_offset(
             n.reshape(flat), target.reshape(flat), attn.fusion.granularity, attn.fusion.mu is not None
@@ -137,9 +146,34 @@ def _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_stat
     return student.scan_layers(fit, None, inter["attn_inputs"])[1]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 5))
+def _fusion_input_rms(teacher_graphdef, teacher_state, student_graphdef, student_state, input_ids, granularity):
+    """The RMS of every layer's fusion input, [L, slots] (``head``) or [L, slots, D] (``channel``) in its fusion
+    slots (zeros where a layer fuses nothing), from the teacher's layer inputs: the denominator of the "rms" init
+    for the un-normalised ``la_scale``."""
+    teacher = nnx.merge(teacher_graphdef, teacher_state)
+    student = nnx.merge(student_graphdef, student_state)
+    inter: dict = {}
+    teacher.hidden_states(input_ids, intermediates=inter)
+    positions = _positions(input_ids)
+    axes = (0, 1, 3) if granularity == "head" else (0, 1)
+
+    def rms(block, kind, carry, x, slot):
+        attn = block.self_attn
+        used = attn.fused_heads(kind)
+        out = jnp.zeros(attn.fusion.gamma.shape, jnp.float32)
+        if not used:
+            return carry, out
+        n = attn.fusion_inputs(x, positions, kind).astype(jnp.float32)
+        return carry, out.at[:used].set(jnp.sqrt(jnp.mean(jnp.square(n), axis=axes)))
+
+    return student.scan_layers(rms, None, inter["attn_inputs"])[1]
+
+
 def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dict[int, np.ndarray]:
     """Set every fusion γ (and μ) of ``student`` from the teacher on ``input_ids`` [B,T], as the student's
-    ``fusion_init`` says: the teacher's per-head output RMS ("rms"; μ stays 0) or the least-squares fit ("fit").
+    ``fusion_init`` says: the teacher's per-head output RMS over the fusion input's ("rms"; μ stays 0) or the
+    least-squares fit ("fit").
 
     Returns {layer index: the γ written, for the heads ``fused_heads(student, layer)``}. Layers without fusion
     are left alone.
@@ -167,6 +201,16 @@ def calibrate_fusion(student: nnx.Module, teacher: nnx.Module, input_ids) -> dic
         for i, n in enumerate(used):
             if n:
                 gammas[i, :n] = rms[i][fused_heads(student, i)]
+        if not fusion.normalize:  # un-normalised input: scale its RMS to the teacher's (a silent head keeps γ = 0)
+            teacher_graphdef, teacher_state = nnx.split(teacher)
+            student_graphdef, student_state = nnx.split(student)
+            n_rms = np.asarray(
+                _fusion_input_rms(
+                    teacher_graphdef, teacher_state, student_graphdef, student_state, ids, fusion.granularity
+                ),
+                np.float64,
+            )
+            gammas = np.where(n_rms > 0, gammas / np.maximum(n_rms, 1e-30), 0.0).astype(np.float32)
         mus = None
     keep = np.asarray([n == 0 for n in used])  # layers without fusion keep their (unused) values
 

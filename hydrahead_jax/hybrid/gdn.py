@@ -3,6 +3,7 @@
 For LA query head h (KV head h // G of the layer's LA groups), with x_t the layer input:
 
     q_t, k_t, v_t = teacher projections (+ q/k norm) → causal depthwise conv (optional) → RoPE (optional)
+    q_t ← M^q_h q_t,  k_t ← M^k_g k_t                                    (optional per-head maps, identity at init)
     a_t = x_t W_a,  b_t = x_t W_b                                         (new, one scalar per head)
     g_t = −exp(A_log) · softplus(a_t + dt_bias),   α_t = exp(g_t),   β_t = sigmoid(b_t)
     S_t = α_t S_{t−1} (I − β_t k̂_t k̂_tᵀ) + β_t k̂_t v_tᵀ                 (k̂, q̂ L2-normalised, S fp32)
@@ -20,9 +21,15 @@ Initialisation (the student should start close to the teacher):
   i.e. memories of ~10 to ~1000 tokens, long like the softmax heads they replace, and a spread so that different
   heads can specialise.
 - W_b = 0: β = gdn_beta for every token, 0.5 by default, a moderate write strength (β = 1 would overwrite a
-  key's value fully). β_t = sigmoid(x_t W_b + logit(gdn_beta)); the offset is a constant, not a parameter, so
-  the parameter tree does not depend on it.
+  key's value fully). β_t = sigmoid(x_t W_b + b), b = logit(gdn_beta): a constant of the model by default, or,
+  with ``gdn_beta_bias``, a trainable per-head parameter ``beta_bias`` [H] starting there.
+- ``gdn_init="teacher"``: dt_bias and beta_bias per head from the teacher head's mean attention distance and
+  attention entropy on the calibration batch instead (``hybrid/gdn_init.py``).
 - W_z = 0, b_z = silu⁻¹(1) ≈ 1.2785: the gate is exactly 1 at init, so the gated norm is a plain RMSNorm.
+- ``gdn_qk_map``: M^q [H_la, D, D] per LA query head and M^k [H_kv_la, D, D] per LA KV head, identity at init, applied
+  before the L2 norm: a learnable feature map with which the LA heads can re-aim the teacher's softmax q/k at the
+  delta rule's read-out while the teacher's q/k/v projections (shared with nothing else here, but the FA heads'
+  slices of the same weights) stay frozen.
 Zero kernels still get gradients (∂L/∂W = xᵀ ∂L/∂a), and they make the initial student independent of the seed.
 """
 
@@ -38,10 +45,8 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.context_parallel.gated_delta import (
-    sequence_parallel_causal_conv,
-    sequence_parallel_gated_delta_rule,
-)
+from hydrahead_jax.context_parallel.causal_conv import causal_depthwise_conv, sequence_parallel_causal_conv
+from hydrahead_jax.context_parallel.gated_delta import sequence_parallel_gated_delta_rule
 from hydrahead_jax.context_parallel.layout import MODEL_LAYOUT
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.models.kernel_sharding import (
@@ -74,94 +79,6 @@ def initial_dt(n_heads: int, dt_min: float = DT_MIN, dt_max: float = DT_MAX) -> 
     if n_heads == 1:
         return np.array([math.sqrt(dt_min * dt_max)])
     return np.geomspace(dt_min, dt_max, n_heads)
-
-
-def _conv_inputs(x: jax.Array, state: jax.Array | None, width: int) -> jax.Array:
-    """p = [state; x] in fp32, [B, W−1+T, C] (zeros for a missing state)."""
-    x32 = x.astype(jnp.float32)
-    if state is None:
-        return jax.lax.pad(x32, 0.0, [(0, 0, 0), (width - 1, 0, 0), (0, 0, 0)])
-    return jnp.concatenate([state.astype(jnp.float32), x32], axis=1)
-
-
-def _tap(a: jax.Array, tap_mask: jax.Array | None, j: int) -> jax.Array:
-    """a [B,T,C] with the rows where tap j crosses a document start zeroed (a unchanged without a mask)."""
-    return a if tap_mask is None else a * tap_mask[j][..., None].astype(a.dtype)
-
-
-@jax.custom_vjp
-def _causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array | None, tap_mask: jax.Array | None) -> jax.Array:
-    """y_t = Σ_j w_j · m_{j,t} · p_{t+j} with p = [state; x] (fp32 inside), y in x.dtype.
-
-    x [B,T,C], weight [W,C], state [B,W−1,C] or None (zeros), tap_mask [W,B,T] bool or None (all ones).
-    VJP (d = m ⊙ ∂L/∂y per tap):  ∂L/∂p_s = Σ_j w_j d_{j,s−j},  ∂L/∂w_j = Σ_{b,t} d_{j,t} ⊙ p_{t+j}.
-    Written by hand so the backward keeps only x (in its own dtype) and the state: autodiff of the shifted slices
-    kept W−1 shifted fp32 copies of the activations (one per tap) alive for the weight gradient; here the fp32
-    p is rebuilt in the backward, where it lives only while the conv's own gradients are formed.
-    """
-    width, t = weight.shape[0], x.shape[1]
-    p = _conv_inputs(x, state, width)
-    w32 = weight.astype(jnp.float32)
-    return sum(_tap(p[:, j : j + t], tap_mask, j) * w32[j] for j in range(width)).astype(x.dtype)
-
-
-def _causal_conv_fwd(x, weight, state, tap_mask):
-    return _causal_conv(x, weight, state, tap_mask), (x, weight, state, tap_mask)
-
-
-def _causal_conv_bwd(res, dy):
-    # The barrier (with dy) keeps XLA from merging the fp32 window rebuilt here with the forward's, and from
-    # scheduling it early: either would keep W shifted fp32 copies alive from the forward to here, the very
-    # residuals this VJP exists to avoid.
-    (x, weight, state, tap_mask), dy = jax.lax.optimization_barrier((res, dy))
-    width, t = weight.shape[0], x.shape[1]
-    w32, dy32 = weight.astype(jnp.float32), dy.astype(jnp.float32)
-    p = _conv_inputs(x, state, width)
-    d = [_tap(dy32, tap_mask, j) for j in range(width)]
-    dp = sum(jax.lax.pad(d[j] * w32[j], 0.0, [(0, 0, 0), (j, width - 1 - j, 0), (0, 0, 0)]) for j in range(width))
-    dweight = jnp.stack([jnp.sum(d[j] * p[:, j : j + t], axis=(0, 1)) for j in range(width)]).astype(weight.dtype)
-    dstate = None if state is None else dp[:, : width - 1].astype(state.dtype)
-    return dp[:, width - 1 :].astype(x.dtype), dweight, dstate, None
-
-
-_causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
-
-
-def causal_depthwise_conv(
-    x: jax.Array, weight: jax.Array, state: jax.Array | None, segment_ids: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """y_t = Σ_j w_j · x_{t−(W−1)+j} over channels independently; x [B,T,C], weight [W,C], state [B,W−1,C].
-
-    ``state`` holds the W−1 inputs before x (zeros at the start of a sequence); returns (y in x.dtype, the new
-    state = the last W−1 inputs), so a sequence run in pieces (prefill, then one token at a time) equals one run
-    over all.
-
-    Packed documents: with ``segment_ids`` [B,T] int32 (one id per document of the row), a tap never reads
-    across a document start:
-
-        y_t = Σ_j w_j · x_{t−(W−1)+j} · [s_{t−(W−1)+j} = s_t],
-
-    where the W−1 state positions before the row carry the id s_0: the state belongs to the document that
-    continues at t = 0, and later documents start from zeros. The new state keeps only the inputs of the row's
-    last document (others zeroed), so that document continues correctly in the next call.
-    """
-    width, t = weight.shape[0], x.shape[1]
-    if segment_ids is None:
-        tap_mask = None
-    else:
-        if segment_ids.shape != x.shape[:2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(
-                f"causal_depthwise_conv: segment_ids must be integer [batch, time] = {x.shape[:2]} (one id per "
-                f"document of the packed row); got {segment_ids.dtype} {segment_ids.shape}"
-            )
-        seg = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
-        tap_mask = jnp.stack([seg[:, j : j + t] == segment_ids for j in range(width)])  # [W, B, T]
-    y = _causal_conv(x, weight, state, tap_mask)
-    history = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype) if state is None else state.astype(x.dtype)
-    new_state = jnp.concatenate([history, x], axis=1)[:, t:]
-    if segment_ids is not None:
-        new_state = new_state * (seg[:, t:] == segment_ids[:, -1:])[..., None].astype(new_state.dtype)
-    return y, new_state
 
 
 def backward_after_cotangent(fn):
@@ -314,6 +231,9 @@ def _head_layout(hd: int) -> dict[tuple[str, ...], tuple[int, tuple[tuple[str, i
         ("b_proj", "kernel"): (1, (("heads", 1),)),
         ("A_log",): (0, (("heads", 1),)),
         ("dt_bias",): (0, (("heads", 1),)),
+        ("beta_bias",): (0, (("heads", 1),)),
+        ("q_map",): (0, (("heads", 1),)),  # [H_la, D, D]
+        ("k_map",): (0, (("kv", 1),)),  # [H_kv_la, D, D]
         ("conv_weight",): (1, (("heads", hd), ("kv", hd), ("kv", hd))),  # q channels, then k, then v
         ("z_proj", "kernel"): (1, (("heads", hd),)),
         ("z_proj", "bias"): (0, (("heads", hd),)),
@@ -395,10 +315,22 @@ class GatedDeltaNetHeads(nnx.Module):
             eager_sharding=False,
         )
         self.beta_offset = math.log(hybrid_cfg.gdn_beta / (1.0 - hybrid_cfg.gdn_beta))  # logit; 0 at β = 0.5
+        if hybrid_cfg.gdn_beta_bias:
+            self.beta_bias = nnx.Param(
+                jnp.full((n,), self.beta_offset, pdt), out_sharding=("norm",), eager_sharding=False
+            )
+        else:
+            self.beta_bias = None
         if hybrid_cfg.use_conv:
             channels = (n + 2 * self.num_kv) * hd  # q of the LA query heads, k and v of their KV heads
             weight = jnp.zeros((hybrid_cfg.conv_size, channels), pdt).at[-1].set(1)
             self.conv_weight = nnx.Param(weight, out_sharding=(None, None), eager_sharding=False)
+        if hybrid_cfg.gdn_qk_map:
+            eye = jnp.eye(hd, dtype=pdt)
+            self.q_map = nnx.Param(jnp.tile(eye, (n, 1, 1)), out_sharding=("heads", None, None), eager_sharding=False)
+            self.k_map = nnx.Param(
+                jnp.tile(eye, (self.num_kv, 1, 1)), out_sharding=("heads", None, None), eager_sharding=False
+            )
         if hybrid_cfg.use_output_gate:
             self.z_proj = nnx.Linear(
                 d,
@@ -416,7 +348,8 @@ class GatedDeltaNetHeads(nnx.Module):
         a = self.a_proj(x).astype(jnp.float32)
         dt = jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * dt
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32) + self.beta_offset)
+        offset = self.beta_offset if self.beta_bias is None else self.beta_bias[...].astype(jnp.float32)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32) + offset)
         return g, beta
 
     def conv(self, q, k, v, state, segment_ids=None):
@@ -540,8 +473,12 @@ class GatedDeltaNetHeads(nnx.Module):
             if cache is not None:
                 new_cache["conv_state"] = conv_state.astype(cache["conv_state"].dtype)
         if hc.la_rope:
-            rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved)
+            rope = dict(theta=cfg.rope_theta, interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+        if hc.gdn_qk_map:
+            with jax.named_scope("gdn_qk_map"):
+                q = jnp.einsum("bthd,hde->bthe", q, self.q_map[...].astype(q.dtype))
+                k = jnp.einsum("bthd,hde->bthe", k, self.k_map[...].astype(k.dtype))
         with jax.named_scope("gdn_repeat"):
             k = jnp.repeat(k, cfg.group_size, axis=2)  # query head h reads KV head h // G
             v = jnp.repeat(v, cfg.group_size, axis=2)

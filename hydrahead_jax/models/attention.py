@@ -177,7 +177,11 @@ class Attention(nnx.Module):
         return q, k, v
 
     def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        return apply_rope(x, positions, theta=self.cfg.rope_theta, interleaved=self.cfg.rope_interleaved)
+        """RoPE of the config, with its scaling (``ModelConfig.rope_scaling``), on q or k heads [B,T,H,D]."""
+        cfg = self.cfg
+        return apply_rope(
+            x, positions, theta=cfg.rope_theta, interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling
+        )
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B,T,d] → q [B,T,Hq,D], k, v [B,T,Hkv,D], with q/k norm and RoPE applied to q and k."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.config import ROPE_TYPES, ConfigError, ModelConfig, RopeScaling
 from hydrahead_jax.models.hf_layout import hf_tensors
 
 SMOLLM2_SOURCE = "smollm2-135m"
@@ -23,6 +23,41 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Families people ask for that this decoder does not implement, with what each would need (config.json
+# architecture names and llama.cpp's GGUF names). Llama-3.x, Qwen2.5 and SmolLM2 load as llama / qwen2.
+_MISSING = {
+    "mistral": "sliding-window attention (Mistral's sliding_window); a Mistral without it is a Llama: re-save "
+    "its config.json with architectures ['LlamaForCausalLM']",
+    "gemma": "Gemma's GeGLU MLP, (1 + w) RMSNorm gains, sqrt(hidden_size) embedding scale and, in Gemma 2/3, "
+    "logit soft-capping and local/global attention layers",
+    "moe": "a mixture-of-experts MLP (router and experts) in place of the dense SwiGLU",
+    "smollm3": "SmolLM3's NoPE layers (no_rope_layers: every 4th layer skips RoPE)",
+}
+_REFUSED_HF = {
+    "MistralForCausalLM": "mistral",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+_REFUSED_GGUF = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "qwen2moe": "moe",
+    "qwen3moe": "moe",
+    "smollm3": "smollm3",
+}
+
+
+def _refusal(path, family_name: str, family: str, supported) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: {family_name} is not supported: it needs {_MISSING[family]}. Supported: {sorted(supported)}."
+    )
 
 
 class CheckpointError(ValueError):
@@ -160,7 +195,44 @@ def _hf_name_of_gguf(name: str, path) -> str:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
     raise CheckpointError(
         f"{path}: GGUF tensor {name!r} has no counterpart in a plain Llama/Qwen2/Qwen3 decoder "
-        "(e.g. rope_freqs.weight means Llama-3 rope scaling, which is not supported)."
+        "(Mistral, Gemma and MoE checkpoints carry tensors of their own)."
+    )
+
+
+def gguf_rope_scaling(reader, arch: str, context_length: int, names: set[str], path) -> RopeScaling | None:
+    """The RoPE scaling in a GGUF file's metadata (``{arch}.rope.scaling.*``, llama.cpp's keys), or None.
+
+    llama.cpp's converter writes ``type`` ("none", "linear", "yarn"), ``factor`` and, for yarn,
+    ``original_context_length`` (and optionally ``yarn_beta_fast`` / ``yarn_beta_slow``); these map onto
+    transformers' linear and yarn. Llama-3 scaling is stored as per-dimension divisors (``rope_freqs.weight``), from
+    which transformers' llama3 parameters cannot be recovered, so such files are refused with the way out.
+    """
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(
+            f"{path}: the file stores Llama-3 RoPE scaling as rope_freqs.weight, which this reader does not take; "
+            "load the model's Hugging Face folder instead (its config.json names rope_type 'llama3')."
+        )
+    kind = str(gguf_field(reader, f"{arch}.rope.scaling.type", "none"))
+    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind != "yarn":
+        raise CheckpointError(
+            f"{path}: GGUF rope scaling type {kind!r} is not supported; supported are 'none', 'linear' and 'yarn'."
+        )
+    for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0), ("yarn_ext_factor", None)):
+        value = gguf_field(reader, f"{arch}.rope.scaling.{key}", "absent")
+        if value != "absent" and (neutral is None or float(value) != neutral):
+            raise CheckpointError(f"{path}: GGUF yarn key rope.scaling.{key}={value} is not supported.")
+    original = int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length", context_length))
+    return RopeScaling(
+        "yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
     )
 
 
@@ -176,18 +248,18 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     except Exception as e:  # the gguf package raises ValueError/struct errors on a corrupt header
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
     arch = gguf_field(reader, "general.architecture", path=path)
+    if arch in _REFUSED_GGUF:
+        raise _refusal(path, f"GGUF architecture {arch!r}", _REFUSED_GGUF[arch], GGUF_ARCHITECTURES)
+    if arch == "llama" and int(gguf_field(reader, "llama.expert_count", 0)):
+        raise _refusal(path, "a llama GGUF with experts (Mixtral)", "moe", GGUF_ARCHITECTURES)
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF architectures are "
             f"{GGUF_ARCHITECTURES}."
         )
-    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or (
-        scaling == "linear" and gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0
-    ):
-        raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported; only plain RoPE is.")
-
     names = {t.name for t in reader.tensors}
+    context_length = int(gguf_field(reader, f"{arch}.context_length", 32768))
+    scaling = gguf_rope_scaling(reader, arch, context_length, names, path)
     hidden = int(gguf_field(reader, f"{arch}.embedding_length", path=path))
     heads = int(gguf_field(reader, f"{arch}.attention.head_count", path=path))
     kv_heads = int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads))
@@ -203,12 +275,13 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
         num_kv_heads=kv_heads,
         head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         rope_interleaved=False,  # Q/K rows are un-permuted below
         rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path=path)),
         tie_word_embeddings="output.weight" not in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 32768)),
+        max_position_embeddings=context_length,
         name=str(gguf_field(reader, "general.name", path.stem)),
     )
 
@@ -256,28 +329,76 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def _rope_theta(hf: dict, path) -> float:
-    """rope_theta from a config.json, refusing rope scaling we do not implement.
+# config.json keys of a RoPE spec that RopeScaling reads, by its field name (transformers' RopeParameters).
+_HF_ROPE_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "low_freq_factor",
+    "high_freq_factor",
+    "short_factor",
+    "long_factor",
+)
 
-    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5 writes ``rope_parameters`` =
-    {"rope_type": ..., "rope_theta": ...}.
+
+def rope_from_hf(hf: dict, path) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from a config.json, as transformers standardises them.
+
+    transformers < 5 writes ``rope_theta`` and ``rope_scaling`` = {"type" or "rope_type", "factor", ...};
+    transformers 5 writes ``rope_parameters`` = {"rope_type", "rope_theta", ...}; ``rope_scaling`` wins when both
+    are present. yarn and longrope without a ``factor`` take max_position_embeddings / original length, and a
+    top-level ``original_max_position_embeddings`` (Phi-3 style) overrides the one inside the spec.
     """
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for spec in (params, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind not in ("default", None):
-            raise CheckpointError(
-                f"{path}: rope scaling type {kind!r} is not supported; only plain RoPE (rope_type 'default') is."
-            )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta)
+    spec = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(spec.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = spec.pop("rope_type", None) or spec.pop("type", None) or "default"
+    spec.pop("type", None)
+    if any(isinstance(v, dict) for v in spec.values()):
+        raise CheckpointError(f"{path}: per-layer-type RoPE parameters {sorted(spec)} are not supported.")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(
+            f"{path}: rope scaling type {kind!r} is not supported; supported types are 'default', {', '.join(map(repr, ROPE_TYPES))}."
+        )
+    if float(spec.pop("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor != 1 (RoPE on part of head_dim) is not supported.")
+    unknown = sorted(set(spec) - set(_HF_ROPE_KEYS))
+    if unknown:
+        raise CheckpointError(f"{path}: rope scaling {kind!r} has keys {unknown} this loader does not understand.")
+    fields = {k: v for k, v in spec.items() if v is not None}
+    max_len = int(hf.get("max_position_embeddings", 32768))
+    if kind in ("llama3", "yarn", "longrope"):
+        original = hf.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = int(original or max_len)
+        if kind in ("yarn", "longrope") and "factor" not in fields:
+            fields["factor"] = max_len / fields["original_max_position_embeddings"]
+    else:
+        fields.pop("original_max_position_embeddings", None)  # linear ignores it; dynamic uses max_len
+    for key in ("beta_fast", "beta_slow"):
+        if not fields.get(key, True):  # transformers: `beta_fast or 32`, so 0 means the default too
+            fields.pop(key)
+    if kind != "longrope" and "factor" not in fields:
+        raise CheckpointError(f"{path}: rope scaling {kind!r} needs a 'factor'.")
+    try:
+        return theta, RopeScaling(rope_type=kind, **fields)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{path}: rope scaling {kind!r}: {e}") from e
 
 
 def config_from_hf(hf: dict, path) -> ModelConfig:
     """A ModelConfig from the parsed config.json of a Llama / Qwen2 / Qwen3 causal LM."""
     archs = hf.get("architectures") or []
     arch_name = archs[0] if archs else None
+    if arch_name in _REFUSED_HF:
+        raise _refusal(path, f"architecture {arch_name!r}", _REFUSED_HF[arch_name], HF_ARCHITECTURES)
+    if hf.get("num_experts") or hf.get("num_local_experts"):
+        raise _refusal(path, f"architecture {arch_name!r} with experts", "moe", HF_ARCHITECTURES)
     if arch_name not in HF_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: architecture {arch_name!r} is not supported; supported architectures are "
@@ -292,6 +413,7 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         raise CheckpointError(f"{path}: Llama attention_bias=true (which also biases o_proj) is not supported.")
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{path}: use_sliding_window=true is not supported; only full attention is.")
+    theta, scaling = rope_from_hf(hf, path)
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -304,7 +426,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(hf, path),
+            rope_theta=theta,
+            rope_scaling=scaling,
             rope_interleaved=False,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             # Llama/Qwen2/Qwen3 configs all default to untied embeddings.
@@ -316,6 +439,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"{path}: config.json lacks the required field {e.args[0]!r}.") from e
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:

@@ -10,7 +10,9 @@ Layout of a stage directory (``workdir/stage1_align`` ...)::
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save
 (SIGKILL included) leaves either the whole step or none of it. A step that still does not restore (a disk
-error, a corrupted file) is reported, moved to ``corrupt/`` and the previous step is tried.
+error, a corrupted file) is reported, moved to ``corrupt/`` and the previous step is tried. Only damage shown by
+the step's own files moves it; a checkpoint of another structure, or a read that keeps failing, stops the run
+with nothing moved (see "restore errors" below).
 
 Multi-process runs: every process calls save and restore (each writes and reads its own shards, and its own
 iterator state under ``data``); Orbax writes the metadata once. The files of the workdir itself (run_config.json,
@@ -26,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -263,10 +266,22 @@ def finished_step(directory: Path) -> int | None:
 
 
 class StageCheckpointer:
-    """A CheckpointManager for one stage directory, with DONE marker and fallback restore."""
+    """A CheckpointManager for one stage directory, with DONE marker and fallback restore.
 
-    def __init__(self, directory: str | Path, *, save_every: int, keep: int = 2, async_save: bool = True):
+    ``stage`` (a stage name) words the fix in a mismatch error (``--restart_stage=<stage>``)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        save_every: int,
+        keep: int = 2,
+        async_save: bool = True,
+        stage: str | None = None,
+    ):
         self.directory = Path(directory).absolute()
+        self.stage = stage
+        self.quarantined: list[tuple[int, str]] = []  # (step, what is damaged) of the steps set aside
         self.directory.mkdir(parents=True, exist_ok=True)
         self._options = ocp.CheckpointManagerOptions(
             save_interval_steps=max(1, int(save_every)),
@@ -338,22 +353,15 @@ class StageCheckpointer:
         self.manager.close()
 
     # ---------------------------------------------------------------------------------------------- restore
-    def _quarantine(self, step: int, error: BaseException) -> None:
+    def _quarantine(self, step: int, damage: str) -> None:
         target = self.directory / "corrupt" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        log.error(
-            "checkpoint step %d in %s does not restore (%s: %s); moved to %s, falling back to the previous step",
-            step,
-            self.directory,
-            type(error).__name__,
-            str(error)[:300],
-            target,
-        )
+        log.error("checkpoint step %d in %s is damaged (%s); moving it to %s", step, self.directory, damage, target)
         print(
-            f"WARNING: checkpoint step {step} in {self.directory} does not restore "
-            f"({type(error).__name__}: {str(error)[:200]}); moved to {target}; falling back to the previous "
-            "good step.",
+            f"WARNING: checkpoint step {step} in {self.directory} is damaged ({damage}); moved to {target}; "
+            "falling back to the previous step.",
             flush=True,
         )
+        self.quarantined.append((step, damage))
         self.manager.close()
         if is_primary():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -361,38 +369,313 @@ class StageCheckpointer:
         sync_processes("quarantine")
         self._open()
 
-    def restore_latest(self, abstract_model, abstract_opt, iterator):
-        """(step, model_state, opt_state, meta) of the newest step that restores, or None when none does.
+    def _restore(self, step: int, targets: dict[str, Any], iterator=None):
+        """``manager.restore`` of the items in ``targets`` (abstract trees; "data" restores ``iterator`` in place,
+        "meta" the JSON), sorted by what a failure is: see ``restore_step``."""
 
-        Restores the grain iterator in place. Steps that fail are quarantined (see module doc)."""
+        def args():
+            items = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
+            if iterator is not None:
+                items["data"] = grain.checkpoint.CheckpointRestore(iterator)
+            items["meta"] = ocp.args.JsonRestore()
+            return ocp.args.Composite(**items)
+
+        def check():
+            step_dir = self.directory / str(step)
+            items = list(targets) + (["data"] if iterator is not None else []) + ["meta"]
+            check_step_files(step_dir, items, pytree_items=tuple(targets))
+            stored = {name: stored_metadata(step_dir / name) for name in targets}
+            check_matches(stored, targets, where=f"checkpoint step {step} in {self.directory}")
+
+        return restore_step(
+            self.directory / str(step), lambda: self.manager.restore(step, args=args()), check=check, hint=self._hint
+        )
+
+    @property
+    def _hint(self) -> str:
+        flag = f"--restart_stage={self.stage}" if self.stage else "--restart_stage=<this stage>"
+        return (
+            f"Fix: run the code and recipe that wrote it, or pass {flag} to move this stage's checkpoints aside and "
+            "train it from step 0."
+        )
+
+    def restore_latest(self, abstract_model, abstract_opt, iterator):
+        """(step, model_state, opt_state, meta) of the newest step that restores, or None when every step is
+        damaged (each then in ``corrupt/``, listed in ``self.quarantined``) or there is none.
+
+        Restores the grain iterator in place. Only a step whose own files are damaged is set aside; a checkpoint
+        of another structure (CheckpointMismatchError) or a read that keeps failing (CheckpointReadError) stops
+        the run with nothing moved, and any other error propagates as it is."""
         for step in reversed(self.steps()):
             try:
-                out = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        model=ocp.args.StandardRestore(abstract_model),
-                        opt=ocp.args.StandardRestore(abstract_opt),
-                        data=grain.checkpoint.CheckpointRestore(iterator),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
-            except Exception as error:  # noqa: BLE001 — any failure means "this step is unusable"
-                self._quarantine(step, error)
+                out = self._restore(step, {"model": abstract_model, "opt": abstract_opt}, iterator)
+            except DamagedCheckpointError as damage:
+                self._quarantine(step, str(damage))
                 continue
             return step, out["model"], out["opt"], out["meta"]
         return None
 
     def restore_model(self, abstract_model):
-        """Model state of the final step of a finished stage, or None (and DONE cleared) when it does not restore."""
+        """Model state of the final step of a finished stage, or None (DONE cleared: the stage resumes from its
+        checkpoints) when there is none or that step is damaged (moved to ``corrupt/``). Other failures raise,
+        as in ``restore_latest``."""
         steps = self.steps()
         if not steps:
             self.clear_done()
             return None
         step = steps[-1]
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract_model)))
-        except Exception as error:  # noqa: BLE001
-            self._quarantine(step, error)
+            out = self._restore(step, {"model": abstract_model})
+        except DamagedCheckpointError as damage:
+            self._quarantine(step, str(damage))
             self.clear_done()
             return None
         return out["model"]
+
+
+# ------------------------------------------------------------------------------------------------ restore errors
+# A failed restore is one of three things, and only the first moves anything:
+#   damage    the step's own files are missing, truncated or do not decode (named from the files themselves or
+#             from the TensorStore status that reports them: DATA_LOSS, OUT_OF_RANGE, a truncated stream);
+#   mismatch  the stored tree differs from this run's (paths, shapes, kinds of dtype): the code or the recipe
+#             changed; stopping is the only safe answer;
+#   transient an OSError, MemoryError, a resource or availability status: retried with backoff, then reported.
+# Anything else is a bug and propagates unchanged. Orbax, Levanter and MaxText never restart on an error they
+# do not recognise either.
+RESTORE_ATTEMPTS = 4  # one try and three retries
+RESTORE_BACKOFF_S = 2.0  # waits of 2, 4, 8 s: a network filesystem's hiccup passes, a real outage is reported
+_DAMAGE_STATUSES = ("DATA_LOSS", "OUT_OF_RANGE")
+_TRANSIENT_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "ABORTED")
+_SHORT = 300
+
+
+class DamagedCheckpointError(Exception):
+    """A checkpoint's own files are damaged; the message names the file and what is wrong with it."""
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint holds another tree than the run restores into (the code or the recipe changed)."""
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint could not be read after retries (the filesystem, permissions, memory); nothing was moved."""
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _one_line(text: str) -> str:
+    text = text.split("[tensorstore_spec", 1)[0]
+    return " ".join(text.split())[:_SHORT]
+
+
+# The JSON files of a checkpoint: Orbax's metadata (step, item, sharding, per-process array metadata), the meta
+# item's JSON and grain's iterator state (*.json). The array data (OCDBT manifests and ``d/`` files) are binary.
+_JSON_NAMES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
+
+
+def _is_json_file(path: Path) -> bool:
+    return path.name in _JSON_NAMES or path.suffix == ".json" or path.parent.name == "array_metadatas"
+
+
+def _json_damage(directory: Path) -> str | None:
+    """The first JSON file of a checkpoint directory that does not parse, or None."""
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and _is_json_file(p)):
+        try:
+            json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError) as err:
+            return f"{path} does not decode as JSON ({_one_line(str(err))})"
+    return None
+
+
+def _tensorstore_damage(message: str, directory: Path) -> str | None:
+    """Damage of ``directory``'s files reported by a TensorStore status, worded with the file."""
+    if not message.startswith(_DAMAGE_STATUSES) and not (
+        message.startswith("FAILED_PRECONDITION") and "Truncated" in message
+    ):
+        return None
+    root = str(directory)
+    named = [m for m in _quoted_paths(message) if m.startswith(root)]
+    if not named:
+        return None
+    files = [m for m in named if Path(m).is_file()]
+    # "Requested byte range [a, b) is not valid for value of size N": the data file of N bytes is the short one.
+    size = message.rsplit("value of size ", 1)[-1].split()[0] if "value of size " in message else None
+    if size is not None and size.isdigit():
+        files += [str(p) for p in Path(named[0]).rglob("*") if p.is_file() and p.stat().st_size == int(size)]
+    where = ", ".join(dict.fromkeys(files)) if files else named[-1]
+    return f"{where}: {_one_line(message)}"
+
+
+def _quoted_paths(message: str) -> list[str]:
+    parts = message.split('"')
+    return [parts[i] for i in range(1, len(parts), 2) if parts[i].startswith("/")]
+
+
+def damage_in(error: BaseException, directory: Path) -> str | None:
+    """What is damaged in the checkpoint ``directory`` (naming the file), when ``error`` or the files themselves
+    show it; None when neither does (then the error is not evidence of damage)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return f"{directory} is missing"
+    for err in _chain(error):
+        if isinstance(err, (ValueError, UnicodeDecodeError)) and not str(err).startswith(
+            _DAMAGE_STATUSES + _TRANSIENT_STATUSES
+        ):
+            found = _json_damage(directory)  # json.JSONDecodeError names no file: find the one that does not parse
+            if found:
+                return found
+        if isinstance(err, (OSError, ValueError, KeyError)):  # "File …/meta/metadata not found.", grain's, ENOENT
+            named = [str(err.filename)] if getattr(err, "filename", None) else []
+            named += [w.strip("'\".,:;()[]") for w in str(err).split()]
+            missing = [n for n in named if n.startswith(f"{directory}/") and not Path(n).exists()]
+            if missing:
+                return f"{missing[0]} is missing"
+        found = _tensorstore_damage(str(err), directory)
+        if found:
+            return found
+    return None
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` is of the kind a retry can cure: an OSError, a MemoryError, a status of unavailability
+    or exhausted resources (an XLA out-of-memory while placing the arrays included)."""
+    for err in _chain(error):
+        if isinstance(err, (OSError, MemoryError)):
+            return True
+        if str(err).startswith(_TRANSIENT_STATUSES) or "RESOURCE_EXHAUSTED" in str(err)[:200]:
+            return True
+    return False
+
+
+# Every pytree item Orbax writes (OCDBT format) has these; without them no array of the item can be found.
+PYTREE_FILES = ("_METADATA", "manifest.ocdbt")
+
+
+def check_step_files(step_dir: Path, items: list[str], pytree_items: tuple[str, ...] = ()) -> None:
+    """DamagedCheckpointError when a saved item's folder is missing, a pytree item lacks one of PYTREE_FILES,
+    or one of the step's JSON files does not parse."""
+    step_dir = Path(step_dir)
+    for item in items:
+        if not (step_dir / item).is_dir():
+            raise DamagedCheckpointError(f"{step_dir / item} is missing")
+    for item in pytree_items:
+        for name in PYTREE_FILES:
+            if not (step_dir / item / name).is_file():
+                raise DamagedCheckpointError(f"{step_dir / item / name} is missing")
+    found = _json_damage(step_dir)
+    if found:
+        raise DamagedCheckpointError(found)
+
+
+def stored_metadata(item_dir: Path):
+    """Orbax's metadata of a saved pytree (paths, shapes, dtypes; from its ``_METADATA``, no array is read)."""
+    from etils import epath
+
+    return ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
+
+
+def _stored_leaves(metadata) -> dict[str, tuple[tuple[int, ...], Any]]:
+    tree = getattr(metadata, "tree", metadata)
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "name"))
+    return {str(m.name): (tuple(m.shape), m.dtype) for m in leaves if hasattr(m, "shape")}
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _target_leaves(target) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{Orbax's name of the array ("0.mu.layers.0.attn.q_proj.kernel"): (shape, dtype)} of a restore target."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(target)
+    return {".".join(_key_name(k) for k in path): (tuple(x.shape), x.dtype) for path, x in leaves}
+
+
+def _kind(dtype) -> str:
+    """floating / integer / bool / other: Orbax casts between dtypes of one kind (bf16 → f32 exactly), not across
+    kinds (numpy's own ``kind`` calls bfloat16 'V', so the jnp categories decide)."""
+    jnp = jax.numpy
+    for kind in (jnp.floating, jnp.integer, jnp.bool_, jnp.complexfloating):
+        if jnp.issubdtype(dtype, kind):
+            return kind.__name__
+    return str(dtype)
+
+
+def check_matches(stored: dict[str, Any], targets: dict[str, Any], *, where: str) -> None:
+    """CheckpointMismatchError naming the differing arrays when the stored trees (Orbax item metadata) differ
+    from the restore targets in their paths, shapes or dtype kinds."""
+    diffs = []
+    for item, target in targets.items():
+        have, want = _stored_leaves(stored[item]), _target_leaves(target)
+        for name in sorted(set(have) | set(want)):
+            if name not in want:
+                diffs.append(f"{item}/{name}: stored, not in this run")
+            elif name not in have:
+                diffs.append(f"{item}/{name}: in this run, not stored")
+            elif have[name][0] != want[name][0] or _kind(have[name][1]) != _kind(want[name][1]):
+                (s, sd), (t, td) = have[name], want[name]
+                diffs.append(f"{item}/{name}: stored {sd}{list(s)}, this run {td}{list(t)}")
+        if per_layer_names(have) and not per_layer_names(want):
+            raise CheckpointMismatchError(
+                f"{where} was written when the model's layers were stored one by one ({item}/…layers.0.…), before "
+                "they became one scanned stack; this code cannot resume it."
+            )
+    if diffs:
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise CheckpointMismatchError(f"{where} holds another model than this run ({len(diffs)} differ: {shown}).")
+
+
+def per_layer_names(names) -> bool:
+    """Whether Orbax array names (``_stored_leaves``) hold the layers one by one (layers.0.…, layers.1.…: the
+    layout before ``Transformer.layers`` was one stack) rather than stacked (layers.self_attn.…)."""
+    return any(re.search(r"(^|\.)layers\.\d+\.", str(name)) for name in names)
+
+
+def restore_step(directory: Path, restore, *, check=None, hint: str = ""):
+    """``restore()`` of the checkpoint in ``directory``, with every failure sorted (see above).
+
+    ``check()`` runs first on each attempt (file and structure checks that raise DamagedCheckpointError or
+    CheckpointMismatchError). Raises DamagedCheckpointError (the caller decides whether to set the step aside),
+    CheckpointMismatchError (with ``hint``, the fix) or, after RESTORE_ATTEMPTS tries of a transient error,
+    CheckpointReadError; anything else propagates unchanged."""
+    for attempt in range(1, RESTORE_ATTEMPTS + 1):
+        try:
+            if check is not None:
+                check()
+            return restore()
+        except DamagedCheckpointError:
+            raise
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(f"{err} {hint}".strip()) from None
+        except Exception as error:  # noqa: BLE001 — sorted here; what is neither damage nor transient re-raises
+            damage = damage_in(error, directory)
+            if damage is not None:
+                raise DamagedCheckpointError(damage) from error
+            if not is_transient(error):
+                if "Structure mismatch" in str(error) or "not compatible with the stored shape" in str(error):
+                    raise CheckpointMismatchError(
+                        f"{directory} holds another model than this run ({_one_line(str(error))}). {hint}".strip()
+                    ) from None
+                raise
+            cause = f"{type(error).__name__}: {_one_line(str(error))}"
+            if attempt == RESTORE_ATTEMPTS:
+                raise CheckpointReadError(
+                    f"{directory} could not be read after {attempt} attempts ({cause}); nothing was moved. Fix the "
+                    "filesystem, permissions or memory it names, then rerun the same command to resume."
+                ) from None
+            wait = RESTORE_BACKOFF_S * 2 ** (attempt - 1)
+            log.warning("reading %s failed (%s); retrying in %.0f s", directory, cause, wait)
+            print(
+                f"reading {directory} failed ({cause}); retry {attempt}/{RESTORE_ATTEMPTS - 1} in {wait:.0f} s",
+                flush=True,
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")

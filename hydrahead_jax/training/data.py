@@ -30,13 +30,16 @@ def make_stage_iterator(
     seed: int,
     vocab_size: int,
     synthetic_rate: float,
+    synthetic_loss: str = "answer",
     tokenizer=None,
     store_path=None,
     batch_rows=None,
 ) -> grain.DatasetIterator:
     """Iterator of this process's share of global batches of ``batch_size`` rows for one stage: the rows
     ``batch_rows`` of each global batch (those its devices hold, ``training.sharding.process_batch_rows``;
-    ``range(batch_size)``: the whole batch on every process), by default rows p, p+P, ... of process p of P."""
+    ``range(batch_size)``: the whole batch on every process), by default rows p, p+P, ... of process p of P.
+    ``synthetic_rate`` > 0 mixes that fraction of synthetic retrieval rows in, with loss on their answer tokens or on
+    the whole row (``synthetic_loss``, ``data.mixture.synthetic_row``)."""
     if data.source == "copy":
         rows = resolve_batch_rows(batch_size, batch_rows, None, None)
         batches = select_batch_rows(
@@ -52,6 +55,7 @@ def make_stage_iterator(
         seed=seed,
         split="train",
         synthetic_rate=synthetic_rate,
+        synthetic_loss=synthetic_loss,
         tokenizer=tokenizer if synthetic_rate > 0 else None,
         batch_rows=batch_rows,
         num_threads=data.num_threads,

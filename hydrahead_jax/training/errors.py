@@ -5,7 +5,12 @@ from hydrahead_jax.data.corpus import CorpusError
 from hydrahead_jax.data.protocol import TokenizerModelMismatchError
 from hydrahead_jax.hybrid.head_map import HeadMapError
 from hydrahead_jax.selection import SelectionError
-from hydrahead_jax.training.checkpoint import ConfigMismatchError, WorkdirError
+from hydrahead_jax.training.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    ConfigMismatchError,
+    WorkdirError,
+)
 from hydrahead_jax.training.metrics import NonFiniteLossError
 from hydrahead_jax.training.sharding import ShardingError
 
@@ -15,6 +20,8 @@ class StageOrderError(RuntimeError):
 
 
 USER_ERRORS = (
+    CheckpointMismatchError,
+    CheckpointReadError,
     ConfigError,
     CorpusError,
     HeadMapError,

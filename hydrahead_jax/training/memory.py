@@ -164,7 +164,8 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
     from flax import nnx
 
     from hydrahead_jax.data.rows import FEATURES
-    from hydrahead_jax.hybrid import build_model, new_param_filter
+    from hydrahead_jax.hybrid import build_model
+    from hydrahead_jax.hybrid.build import trainable_filter
     from hydrahead_jax.models import Transformer
     from hydrahead_jax.run_config import STAGES
     from hydrahead_jax.training import sharding as shd
@@ -189,7 +190,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
         raise ValueError(f"config.{key}: {error}") from None
     tx, schedule = stage_optimizer(scfg, total_steps=1000)
     graphdef, abstract_student = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(0))))
-    trainable = new_param_filter if scfg.train == "new" else nnx.Param
+    trainable = trainable_filter(scfg.train, scfg.lr_scales)
     layout = stage_layout(graphdef, abstract_student, trainable, tx, mesh, step_settings)
 
     t_graphdef, t_abstract, t_shardings = None, None, None

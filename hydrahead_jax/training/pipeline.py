@@ -14,11 +14,12 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from hydrahead_jax.config import ConfigError, ModelConfig
+from hydrahead_jax.config import ConfigError, ModelConfig, with_rope_extension
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
-from hydrahead_jax.hybrid import HeadMap, build_model, build_student, new_param_filter
+from hydrahead_jax.hybrid import HeadMap, build_model, build_student
+from hydrahead_jax.hybrid.build import trainable_filter
 from hydrahead_jax.run_config import (
     PROBE_METHODS,
     SELECT,
@@ -45,8 +46,6 @@ from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_wi
 
 log = logging.getLogger(__name__)
 
-TRAINABLE = {"new": new_param_filter, "all": nnx.Param}  # StageConfig.train -> nnx filter of the trained params
-
 
 def stage_range(only_stage: str | None, until_stage: str | None) -> list[str]:
     for name, value in (("--only_stage", only_stage), ("--until_stage", until_stage)):
@@ -57,6 +56,20 @@ def stage_range(only_stage: str | None, until_stage: str | None) -> list[str]:
     if only_stage:
         return [only_stage]
     return list(STAGE_NAMES[: STAGE_NAMES.index(until_stage) + 1]) if until_stage else list(STAGE_NAMES)
+
+
+def check_restart_stage(restart_stage: str | None, stages: list[str]) -> None:
+    """ConfigError unless ``restart_stage`` (--restart_stage) is None or a training stage among ``stages``."""
+    if restart_stage is None:
+        return
+    trained = [s.name for s in STAGES]
+    if restart_stage not in trained:
+        raise ConfigError(f"--restart_stage={restart_stage!r}; choose one of the training stages {trained}.")
+    if restart_stage not in stages:
+        raise ConfigError(
+            f"--restart_stage={restart_stage} is not among the stages this run runs ({stages}); drop "
+            f"--only_stage/--until_stage or include {restart_stage} in them."
+        )
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -127,6 +140,22 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
         HeadMap.load(sel.head_map_path, cfg)
     elif sel.method not in ("all_fa", "all_la"):
         validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
+    for stage in STAGES:
+        student_config(run, cfg, stage)  # a stage-3 RoPE extension the teacher's RoPE cannot take is refused now
+
+
+def student_config(run: RunConfig, cfg: ModelConfig, stage: Stage) -> ModelConfig:
+    """The student's ModelConfig in ``stage``: the teacher's, with the RoPE extension of the first stage up to
+    and including ``stage`` that sets one (``StageConfig.rope_scaling``; only the long stage may). The extension
+    changes no parameter, so a state passes unchanged from the stage before it."""
+    for s in STAGES[: STAGES.index(stage) + 1]:
+        spec = run.stage(s).rope_scaling
+        if spec:
+            try:
+                return with_rope_extension(cfg, spec)
+            except ConfigError as err:
+                raise ConfigError(f"config.{s.config_key}.rope_scaling: {err}") from None
+    return cfg
 
 
 def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
@@ -192,8 +221,13 @@ def run_pipeline(
     only_stage: str | None = None,
     until_stage: str | None = None,
     force_new: bool = False,
+    restart_stage: str | None = None,
 ) -> Path | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
+
+    ``restart_stage`` (a training stage's name) moves that stage's checkpoints aside (``<dir>.restarted-<time>``)
+    and trains it from step 0; the finished stages after it rerun (their input changed). It is the consent to
+    start over a stage whose checkpoints do not restore for another reason than damage (see checkpoint.py).
 
     The workdir is locked for the whole call (``WorkdirLock``: a second run on it is refused at once). Every
     check runs before any work: the RunConfig validated itself at the edge; here the stage range, the mesh
@@ -201,16 +235,19 @@ def run_pipeline(
     against it, and the workdir's config fingerprint."""
     workdir = Path(workdir).absolute()
     stages = stage_range(only_stage, until_stage)
+    check_restart_stage(restart_stage, stages)
     lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)  # one process locks for a multi-host run
     try:
         if workdir.exists():
             lock.acquire()  # a workdir in use is refused at once, before the teacher loads
-        return _run_locked(run, workdir, stages, force_new, lock)
+        return _run_locked(run, workdir, stages, force_new, lock, restart_stage)
     finally:
         lock.release()
 
 
-def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock) -> Path | None:
+def _run_locked(
+    run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock, restart_stage: str | None
+) -> Path | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
@@ -250,8 +287,11 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
     teacher_handle = TeacherHandle(teacher, mesh)
     nnx.update(teacher, teacher_handle.state)  # the module and the handle share the placed arrays: one copy
 
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(run.seed)))
-    student_graphdef, abstract_student = nnx.split(abstract_model)
+    def abstract_model(stage: Stage):
+        stage_cfg = student_config(run, cfg, stage)
+        return nnx.split(nnx.eval_shape(lambda: build_model(stage_cfg, head_map, run.hybrid, nnx.Rngs(run.seed))))
+
+    student_graphdef, abstract_student = abstract_model(STAGES[0])
 
     def iterator_factory(stage: Stage, seed: int):
         scfg = run.stage(stage)
@@ -264,6 +304,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
             seed=seed,
             vocab_size=cfg.vocab_size,
             synthetic_rate=scfg.synthetic_rate,
+            synthetic_loss=scfg.synthetic_loss,
             tokenizer=tokenizer,
             store_path=store,
             batch_rows=rows,
@@ -281,9 +322,17 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
         if previous is None and index > 0:
             previous = final_state_before(workdir, index, abstract_student, mesh)
         scfg = run.stage(stage)
+        student_graphdef, abstract_student = abstract_model(stage)  # the same state; RoPE may differ by stage
         stage_dir = workdir / stage.directory
         final_step = finished_step(stage_dir)
-        if extended and stage_dir.exists():
+        if stage.name == restart_stage and stage_dir.exists():
+            aside = stage_dir.with_name(f"{stage_dir.name}.restarted-{time.strftime('%Y%m%d-%H%M%S')}")
+            print(
+                f"[{stage.directory}] --restart_stage: training it from step 0 (old run moved to {aside})", flush=True
+            )
+            stage_dir.rename(aside)
+            extended = True  # the stages after it start from its new final state
+        elif extended and stage_dir.exists():
             aside = stage_dir.with_name(f"{stage_dir.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
             print(
                 f"[{stage.directory}] an earlier stage trained on: rerunning it (old run moved to {aside})", flush=True
@@ -295,7 +344,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
             stage=stage,
             config=scfg,
             directory=stage_dir,
-            trainable=TRAINABLE[scfg.train],
+            trainable=trainable_filter(scfg.train, scfg.lr_scales),
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
             mask_documents=run.data.mask_documents,
@@ -320,7 +369,7 @@ def _run_locked(run: RunConfig, workdir: Path, stages: list[str], force_new: boo
             workdir / "final",
             student_graphdef,
             cast_like(previous, nnx.as_pure(abstract_student)),  # the master copy is training state: export as built
-            cfg,
+            student_config(run, cfg, STAGES[-1]),
             head_map,
             run.hybrid,
             tokenizer=tokenizer,
@@ -339,7 +388,7 @@ def final_state_before(workdir: Path, index: int, abstract_student, mesh):
             f"stage {stage.name!r} starts from the final checkpoint of stage {prev.name!r}, which has not "
             f"finished in {workdir}; run it first (e.g. --until_stage {prev.name})."
         )
-    ckpt = StageCheckpointer(workdir / prev.directory, save_every=1)
+    ckpt = StageCheckpointer(workdir / prev.directory, save_every=1, stage=prev.name)
     try:
         target = abstract_with_shardings(  # f32 Params: the stage saved its trained ones in their master dtype
             nnx.as_pure(f32_param_target(abstract_student)), shd.state_shardings(abstract_student, mesh)

@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hydrahead_jax.hybrid.build import PARAM_GROUPS, param_group
 from hydrahead_jax.models.transformer import call_attention, sequence_shards, to_model_order
 from hydrahead_jax.run_config import STAGES
 from hydrahead_jax.training import losses
@@ -392,6 +393,20 @@ def make_train_step(
     return step
 
 
+def scale_by_param_group(scales: dict[str, float]) -> optax.GradientTransformation:
+    """updates_p · scales[param_group(p)]: after AdamW (whose update is −lr_t · (m̂/(√v̂+ε) + wd·θ)) this is a
+    per-group learning rate lr_t · s_group, weight decay included."""
+
+    def update(updates, state, params=None):
+        del params
+        scaled = jax.tree_util.tree_map_with_path(
+            lambda path, u: u * jnp.asarray(scales[param_group(path)], u.dtype), updates
+        )
+        return scaled, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(
     *,
     lr: float,
@@ -401,13 +416,17 @@ def make_optimizer(
     weight_decay: float = 0.0,
     clip_norm: float = 1.0,
     b2: float = 0.95,
+    warmup_start_ratio: float = 0.0,
+    lr_scales: dict[str, float] | None = None,
 ):
-    """AdamW on a warmup (linear from 0) + cosine schedule to lr·end_lr_ratio, after global-norm clipping.
+    """AdamW on a warmup (linear from lr·warmup_start_ratio) + cosine schedule to lr·end_lr_ratio, after
+    global-norm clipping; with ``lr_scales`` ({group: scale}, ``PARAM_GROUPS``) each parameter group's updates are
+    scaled, a per-group learning rate.
 
-    Returns (tx, schedule)."""
+    Returns (tx, schedule); the schedule is the base lr (a group's is scale × it)."""
     warmup = max(0, min(int(warmup_steps), int(total_steps) - 1))
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
+        init_value=lr * warmup_start_ratio,
         peak_value=lr,
         warmup_steps=warmup,
         decay_steps=max(int(total_steps), warmup + 1),
@@ -415,6 +434,8 @@ def make_optimizer(
     )
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm and clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
+    if lr_scales is not None and any(lr_scales[g] != 1.0 for g in PARAM_GROUPS):
+        parts.append(scale_by_param_group(lr_scales))
     return optax.chain(*parts), schedule
 
 
@@ -422,11 +443,13 @@ def stage_optimizer(stage_cfg, total_steps: int):
     """``make_optimizer`` with one stage's typed config. Returns (tx, schedule)."""
     return make_optimizer(
         lr=stage_cfg.lr,
-        warmup_steps=stage_cfg.warmup_steps,
+        warmup_steps=stage_cfg.warmup,
         total_steps=total_steps,
         end_lr_ratio=stage_cfg.end_lr_ratio,
         weight_decay=stage_cfg.weight_decay,
         clip_norm=stage_cfg.clip_norm,
+        warmup_start_ratio=stage_cfg.warmup_start_ratio,
+        lr_scales=stage_cfg.lr_scales,
     )
 
 

@@ -195,6 +195,7 @@ def run_stage(
         save_every=scfg.checkpoint_every,
         keep=scfg.keep_checkpoints,
         async_save=logging_cfg.async_save,
+        stage=spec.stage.name,
     )
     try:
         final_step = finished_step(spec.directory)
@@ -210,7 +211,7 @@ def run_stage(
             if restored is not None:
                 print(f"[{spec.directory.name}] finished earlier; using its final checkpoint.", flush=True)
                 return restored
-            print(f"[{spec.directory.name}] final checkpoint unusable; resuming the stage.", flush=True)
+            print(f"[{spec.directory.name}] final checkpoint damaged; resuming the stage.", flush=True)
         return _train(
             spec,
             ckpt,
@@ -285,10 +286,12 @@ def _train(
     had_checkpoints = bool(ckpt.steps())
     restored = ckpt.restore_latest(abs_full, abs_opt, iterator)
     if restored is None and had_checkpoints:
-        # A failed restore may have moved the iterator part-way: start over on a fresh one (a fresh run's data).
+        # Only damage of every step's own files gets here (any other failure stops the run, nothing moved). A
+        # failed restore may have moved the iterator part-way: start over on a fresh one (a fresh run's data).
         iterator = spec.make_iterator()
+        damaged = "; ".join(f"step {step}: {what}" for step, what in ckpt.quarantined)
         print(
-            f"WARNING: [{spec.directory.name}] no checkpoint of this stage restores (moved to "
+            f"WARNING: [{spec.directory.name}] every checkpoint of this stage is damaged ({damaged}; moved to "
             f"{ckpt.directory / 'corrupt'}); starting the stage over from step 0.",
             flush=True,
         )

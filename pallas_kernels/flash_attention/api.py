@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from pallas_kernels.dispatch import IMPLEMENTATIONS, check_implementation, platform_of, resolve
+from pallas_kernels.dispatch import check_implementation, implementations, platform_of, resolve
 from pallas_kernels.flash_attention._common import BlockSizes, check_inputs, check_segment_ids
+from pallas_kernels.flash_attention.splash import splash_unsupported
+
+IMPLEMENTATIONS = implementations("flash_attention")
 
 __all__ = ["IMPLEMENTATIONS", "flash_attention"]
 
@@ -41,10 +44,13 @@ def flash_attention(
       kv_segment_ids: optional [B, S] segment id of each key; defaults to segment_ids when S == T (required
         otherwise, e.g. a chunk of queries continuing a cached prefix). Needs segment_ids. The Pallas kernels
         skip every (query tile, key tile) pair whose segment ranges do not meet.
-      implementation: "auto" (Pallas on GPU/TPU, "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
-        Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific
-        kernel; interpret mode on CPU), or "reference" (materialises the scores; for testing).
-      block_sizes: BlockSizes; default per backend and head dim (BlockSizes.default).
+      implementation: "auto" (on a TPU splash where it covers the call, else our Mosaic kernel; our Triton
+        kernel on a GPU; "xla" on CPU), "xla" (blockwise XLA), "pallas" (the Pallas kernel of this platform;
+        interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific kernel of ours; interpret mode on CPU),
+        "splash" (Google's splash attention TPU kernel, see flash_attention.splash for what it covers;
+        interpret mode on CPU), or "reference" (materialises the scores; for testing).
+      block_sizes: BlockSizes; default per backend and head dim (BlockSizes.default). Not used by splash
+        (its tiles follow the lengths).
     Returns:
       [B, T, Hq, D] in q.dtype. Differentiable (recomputing backward) for every implementation.
     """
@@ -57,7 +63,23 @@ def flash_attention(
     )
     segments = {} if q_seg is None else dict(segment_ids=q_seg, kv_segment_ids=kv_seg)
 
+    requested = implementation
     implementation, interpret = resolve("flash_attention", implementation, platform_of(q))
+    if implementation in ("pallas_tpu", "splash"):
+        # kv_segment_ids passed as the very array of segment_ids is the self-attention case splash covers.
+        why_not = splash_unsupported(
+            q, k, kv_segment_ids_given=not (kv_segment_ids is None or kv_segment_ids is segment_ids)
+        )
+        if implementation == "splash" and why_not:
+            raise ValueError(f"flash_attention(implementation='splash'): {why_not}")
+        if requested == "auto" and why_not is None:
+            implementation = "splash"
+    if implementation == "splash":
+        from pallas_kernels.flash_attention.splash import flash_attention_splash
+
+        return flash_attention_splash(
+            q, k, v, causal=causal, scale=scale, q_offset=q_offset, segment_ids=q_seg, interpret=interpret
+        )
     if implementation == "reference":
         from pallas_kernels.flash_attention.reference import attention_reference
 

@@ -42,6 +42,16 @@ from pallas_kernels.flash_attention._common import (
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _dot(a, b, dims=_NN):
+    """fp32-accumulated a·b. Half-precision operands run at DEFAULT precision whatever the global setting: their
+    products are exact on the MXU already, and Mosaic cannot legalise an fp32 contract precision on bf16 operands
+    (``jax_default_matmul_precision="highest"`` would otherwise make the kernel fail to compile). fp32 operands
+    follow the global setting."""
+    precision = lax.Precision.DEFAULT if a.dtype.itemsize < 4 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
 
 def _visible(i, j, bq, bk, *, causal, q_offset, kv_len, seg_refs=None):
@@ -121,7 +131,7 @@ def _fwd_kernel(*refs, scale, causal, q_offset, kv_len, bq, bk, nq, nk, segmente
 
     @pl.when(run)
     def _step():
-        s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=_F32) * scale
+        s = _dot(q_ref[...], k_ref[...], _NT) * scale
         vis = _visible(i, j, bq, bk, causal=causal, q_offset=q_offset, kv_len=kv_len, seg_refs=seg_refs)
         s = jnp.where(vis, s, MASK_VALUE)
         m_prev = m_sc[...]  # [bq, 1]
@@ -130,7 +140,7 @@ def _fwd_kernel(*refs, scale, causal, q_offset, kv_len, bq, bk, nq, nk, segmente
         p = jnp.exp(s - m_new)
         l_sc[...] = corr * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         v = v_ref[...]
-        acc_sc[...] = corr * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
+        acc_sc[...] = corr * acc_sc[...] + _dot(p.astype(v.dtype), v)
         m_sc[...] = m_new
 
     @pl.when(j == nk - 1)
@@ -159,12 +169,12 @@ def _dq_kernel(*refs, scale, causal, q_offset, kv_len, bq, bk, nq, nk, segmented
     @pl.when(run)
     def _step():
         k = k_ref[...]
-        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=_F32) * scale
+        s = _dot(q_ref[...], k, _NT) * scale
         vis = _visible(i, j, bq, bk, causal=causal, q_offset=q_offset, kv_len=kv_len, seg_refs=seg_refs)
         p = jnp.where(vis, jnp.exp(s - lse_ref[...]), 0.0)
-        dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=_F32)
+        dp = _dot(do_ref[...], v_ref[...], _NT)
         ds = p * (dp - delta_ref[...])
-        dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=_F32)
+        dq_sc[...] += _dot(ds.astype(k.dtype), k)
 
     @pl.when(j == nk - 1)
     def _finish():
@@ -187,13 +197,13 @@ def _dkv_kernel(*refs, scale, causal, q_offset, kv_len, bq, bk, nq, nk, groups, 
     @pl.when(run)
     def _step():
         q, do = q_ref[...], do_ref[...]
-        s = lax.dot_general(q, k_ref[...], _NT, preferred_element_type=_F32) * scale
+        s = _dot(q, k_ref[...], _NT) * scale
         vis = _visible(i, j, bq, bk, causal=causal, q_offset=q_offset, kv_len=kv_len, seg_refs=seg_refs)
         p = jnp.where(vis, jnp.exp(s - lse_ref[...]), 0.0)  # [bq, bk]
-        dv_sc[...] += lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=_F32)
-        dp = lax.dot_general(do, v_ref[...], _NT, preferred_element_type=_F32)
+        dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)
+        dp = _dot(do, v_ref[...], _NT)
         ds = p * (dp - delta_ref[...])
-        dk_sc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=_F32)
+        dk_sc[...] += _dot(ds.astype(q.dtype), q, _TN)
 
     @pl.when((g == groups - 1) & (i == nq - 1))
     def _finish():

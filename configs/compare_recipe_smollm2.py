@@ -1,0 +1,57 @@
+"""Issue 29's equal-budget comparison of the recipe changes on SmolLM2-135M, each alone and combined, one command:
+
+    python -m hydrahead_jax.experiments.compare --config configs/compare_recipe_smollm2.py --workdir runs/recipe
+    ... --only=recipe_base,fusion_la_scale          # a subset (one variant is ~15-20 CPU-minutes alone)
+    ... --config.base.seed=1 --only=...             # the winners on a second data order
+
+Every variant starts from the `make demo` recipe as it was measured before these changes (configs/smollm2_hydrahead.py
+with fusion "both", the fitted fusion initialisation with offset μ, GDN dt spread by head index and β = 0.5, warm-up
+from lr 0, one learning rate per stage, synthetic rows with loss on their answer tokens only) at 0.3 of its steps
+(the budget of configs/compare_smollm2.py), the same data order and seeds; only the overrides below differ:
+
+    fusion_la_scale   the kept FA heads pass through as the teacher's; the LA heads' gated output scaled (+ μ)
+                      without a second RMS normalisation (hybrid/attention.py)
+    gdn_teacher       each LA head's decay from its teacher head's mean attention distance, β from its attention
+                      entropy, the β offset a trainable per-head parameter (hybrid/gdn_init.py)
+    qk_map            identity-initialised per-head maps on the LA heads' q and k, trained in stage 1
+    warmup            warm-up over 10 % of each stage's steps from 0.1 · lr (instead of a fixed count from 0)
+    lr_groups         stages 2-3: the copied non-attention weights (MLPs, norms, embeddings) at 0.1 · lr
+    retrieval_rows    stage 3's synthetic rows with the KL/CE over the whole row (synthetic_loss="full")
+    combined          all of the above
+
+Retrieval is evaluated with power: NIAH at 2 depths × 50 prompts (100 per length), passkey and key-value 50 per
+length, at 512 and 1K tokens (the evaluation time this adds per variant is not measured yet). The comparison's
+report.md gives the accuracies; their Wilson 95 % intervals follow from n and k (evaluation/intervals.py), which
+the evaluation suite's own report prints and the comparison's does not yet.
+"""
+
+from configs import compare_smollm2
+
+_WARMUP = {f"stage{i}.{k}": v for i in (1, 2, 3) for k, v in (("warmup_fraction", 0.1), ("warmup_start_ratio", 0.1))}
+_LR_GROUPS = {"stage2.lr_scale_other": 0.1, "stage3.lr_scale_other": 0.1}
+_CHANGES = {
+    "fusion_la_scale": {"hybrid.fusion": "la_scale"},
+    "gdn_teacher": {"hybrid.gdn_init": "teacher", "hybrid.gdn_beta_bias": True, "hybrid.gdn_dt_max": 1.0},
+    "qk_map": {"hybrid.gdn_qk_map": True},
+    "warmup": _WARMUP,
+    "lr_groups": _LR_GROUPS,
+    "retrieval_rows": {"stage3.synthetic_loss": "full"},
+}
+
+
+def get_config(arg: str | None = None):
+    c = compare_smollm2.get_config(arg)
+    base = c.base
+    # The demo recipe as measured before issue 29 (pinned: the library's defaults have moved since).
+    base.hybrid.fusion = "both"
+    base.hybrid.fusion_init = "fit"
+    base.hybrid.fusion_bias = True
+    c.variants = [{"name": "recipe_base", "overrides": {}}]
+    c.variants += [{"name": name, "overrides": dict(changes)} for name, changes in _CHANGES.items()]
+    combined = {}
+    for changes in _CHANGES.values():
+        combined.update(changes)
+    c.variants.append({"name": "combined", "overrides": combined})
+    c.eval.suite = "niah,passkey,kv,ppl,agreement"
+    c.eval.samples = 50
+    return c

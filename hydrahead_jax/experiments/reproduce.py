@@ -1,0 +1,1003 @@
+"""A controlled reproduction of HydraHead's claims on a small teacher trained here (issue 30).
+
+    python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction          # the whole study
+    python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction --only teacher,head_7to1
+    python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction --report_only --merge other/results.json
+    python -m hydrahead_jax.experiments.reproduce --workdir /tmp/repro --quick          # tiny sizes, every part
+
+The study, in order (each part skipped when it finished earlier; a killed part resumes):
+
+1. data: the Wikipedia extract split into training and held-out articles (by the recipe's seed); a byte-level
+   BPE with the MQAR recall symbols trained on the training articles; the conversion corpus ``corpus.jsonl``
+   (training articles, MQAR sequences, key-value needles inside text) and ``heldout.jsonl``.
+2. teacher: the small Llama-style teacher (``small_teacher``), exported as a Hugging Face folder.
+3. probe: the product's selection probe on the teacher, once (``compare.probe_once``); the head-level arms'
+   head maps are derived from its scores.
+4. acceptance: the teacher's MQAR-64 recall, and its recall with its top probe-scored KV groups (as many as the
+   7:1 budget keeps FA) zero-ablated, and with as many random groups ablated. Accepted when the recall reaches
+   ``accept_recall`` and the ablation drops it to at most ``near_chance``; a full study stops on a teacher that
+   is not accepted (``--quick`` records it and goes on).
+5. arms (``ARMS``) × seeds, each converted by the product's pipeline (``run_pipeline``: select → align → distil →
+   long, the recipe's defaults for everything the arm does not set), then evaluated (``evaluate``).
+6. convergence: the two primary arms again at twice the training budget, on ``convergence_seeds`` seeds.
+7. claims (``claims.CLAIMS``, fixed before the runs: ``claims.json`` in the workdir is written before the first
+   run and a changed claim set is refused) and the report: results.json, report.md, recall_by_length.png.
+
+Splitting: ``--only`` names parts (``teacher``, arm names, ``convergence``); each session runs its parts in its
+workdir (the same one, or its own: the teacher is deterministic from its seed), and ``--report_only --merge``
+reports the runs of several workdirs together (a merged file must come from the same recipe and the same
+teacher weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hydrahead_jax.config import ConfigError
+from hydrahead_jax.data.mqar import MQARSymbols, check_shape, mqar_batch
+from hydrahead_jax.experiments import claims as claims_mod
+from hydrahead_jax.experiments.compare import (
+    STAGE_ORDER,
+    _finished,
+    _read_json,
+    _stage_finished,
+    _variant_run,
+    _write_json,
+    config_hash,
+    load_variants,
+    probe_once,
+    prune_checkpoints,
+    run_stage,
+)
+from hydrahead_jax.experiments.small_teacher import TeacherRecipe
+
+PRIMARY = ("head_7to1", "layer_3to1")
+HEAD = {"selection.method": "combined", "selection.allocation": "global"}
+# arm -> overrides of the base recipe (the conversion recipe's defaults hold everything else)
+ARMS = {
+    "head_7to1": {**HEAD, "selection.ratio": "7:1"},
+    "layer_3to1": {"selection.method": "layerwise", "selection.ratio": "3:1"},
+    "head_3to1": {**HEAD, "selection.ratio": "3:1"},
+    "layer_7to1": {"selection.method": "layerwise", "selection.ratio": "7:1"},
+    "random_7to1": {"selection.method": "random", "selection.ratio": "7:1", "selection.allocation": "global"},
+    "all_la": {"selection.method": "all_la"},
+    "head_7to1_nofusion": {**HEAD, "selection.ratio": "7:1", "hybrid.fusion": "none"},
+}
+CONVERGENCE = "convergence"
+TEACHER = "teacher"
+EVAL_SEED = 971  # the evaluation data's seed: the same prompts for every model
+LOG = "[reproduce]"
+
+
+def log(message: str) -> None:
+    print(f"{LOG} {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyEval:
+    """What every model is measured on (``evaluate``). MQAR: ``pairs`` at the training length and ``lengths``
+    (up to twice it) at ``length_pairs`` pairs, each cell at least ``min_queries`` queries and ``min_rows``
+    sequences; NIAH in text: ``niah_prompts`` prompts at the training length; KL: ``kl_rows`` held-out windows."""
+
+    pairs: tuple[int, ...] = (4, 8, 16, 32, 64)
+    lengths: tuple[int, ...] = (256, 512, 768, 1024)
+    length_pairs: int = 64
+    min_queries: int = 1000
+    min_rows: int = 32
+    niah_prompts: int = 500
+    kl_rows: int = 32
+    batch_rows: int = 8
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The whole study's settings: the teacher, the corpus, the arms' training budget and the evaluation."""
+
+    teacher: TeacherRecipe = TeacherRecipe()
+    heldout_articles: int = 8
+    corpus_mqar_docs: int = 3000
+    corpus_needle_docs: int = 1000
+    stage_steps: tuple[int, int, int] = (150, 300, 150)  # align, distil, long
+    batch_size: int = 8
+    lrs: tuple[float, float, float] = (3e-3, 1e-3, 5e-4)
+    seeds: int = 5  # the two primary arms
+    other_seeds: int = 3
+    convergence_seeds: int = 3
+    convergence_scale: float = 2.0
+    accept_recall: float = 0.99
+    near_chance: float = 0.10
+    eval: StudyEval = StudyEval()
+    probe_prompts: int = 6
+    probe_lengths: tuple[int, ...] = (256, 512)
+    ablation_prompts: int = 8
+    ablation_length: int = 384
+    require_accepted: bool = True  # stop before the arms when the teacher is not accepted
+
+    @property
+    def seq_len(self) -> int:
+        return self.teacher.seq_len
+
+    def seeds_of(self, arm: str) -> int:
+        return self.seeds if arm in PRIMARY else self.other_seeds
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        return config_hash(self.to_dict())
+
+
+def quick_study() -> Study:
+    """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, one step
+    per stage, the two primary arms under two seeds and the convergence check under one (every other arm's
+    recipe is still built and validated, ``validate_arms``); the teacher is not accepted and the study goes on."""
+    teacher = TeacherRecipe(
+        vocab_size=1024,
+        symbols=MQARSymbols(num_keys=32, num_values=32, num_fillers=4),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        seq_len=256,
+        batch_size=8,
+        steps=4,
+        max_pairs=16,
+        checkpoint_every=2,
+    )
+    return Study(
+        teacher=teacher,
+        heldout_articles=4,
+        corpus_mqar_docs=16,
+        corpus_needle_docs=0,
+        stage_steps=(1, 1, 1),
+        batch_size=8,
+        seeds=2,
+        other_seeds=0,
+        convergence_seeds=1,
+        require_accepted=False,
+        eval=StudyEval(
+            pairs=(4, 16),
+            lengths=(256, 512),
+            length_pairs=16,
+            min_queries=16,
+            min_rows=2,
+            niah_prompts=4,
+            kl_rows=2,
+            batch_rows=8,
+        ),
+        probe_prompts=1,
+        probe_lengths=(256,),
+        ablation_prompts=2,
+        ablation_length=256,
+    )
+
+
+def check_study(study: Study) -> None:
+    """Refuse settings that cannot run before any work: evaluation shapes against the symbols and lengths."""
+    ev = study.eval
+    if not ev.pairs:
+        raise ConfigError("eval.pairs is empty; the claims read MQAR recall at 64 pairs (or the most evaluated).")
+    try:
+        for n in ev.pairs:
+            check_shape(n, study.seq_len)
+        check_shape(ev.length_pairs, min(ev.lengths))
+    except ValueError as err:
+        raise ConfigError(f"study eval: {err}") from None
+    for n in (*ev.pairs, ev.length_pairs):
+        if n > study.teacher.symbols.num_keys:
+            raise ConfigError(f"MQAR with {n} pairs needs {n} keys; the study has {study.teacher.symbols.num_keys}.")
+    if max(ev.lengths) > 2 * study.seq_len:
+        raise ConfigError(f"eval.lengths go up to {max(ev.lengths)}; the study measures up to 2x {study.seq_len}.")
+    if study.seeds < 2:
+        raise ConfigError("seeds must be >= 2: the claims are paired tests over seeds.")
+
+
+def headline_pairs(study: Study) -> int:
+    """The pair count the claims read (MQAR-64, or the largest evaluated in a quick study)."""
+    return 64 if 64 in study.eval.pairs else max(study.eval.pairs)
+
+
+# ------------------------------------------------------------------------------------------------ part 1: data
+
+
+def prepare_data(study: Study, workdir: Path) -> dict[str, Path]:
+    """Tokenizer, conversion corpus and held-out text (module doc, part 1); reused when already written."""
+    from hydrahead_jax.data.corpus import load_enwiki_documents
+    from hydrahead_jax.data.mqar import mqar_example, text
+    from hydrahead_jax.experiments.small_teacher import load_folder_tokenizer, train_tokenizer
+
+    out = workdir / "data"
+    paths = {
+        "tokenizer": out / "tokenizer",
+        "articles": out / "articles.jsonl",  # the training articles alone: the teacher's text rows and haystack
+        "corpus": out / "corpus.jsonl",
+        "heldout": out / "heldout.jsonl",
+    }
+    if (out / "DONE").exists():
+        return paths
+    docs = load_enwiki_documents()
+    rng = np.random.default_rng([study.teacher.seed, 1])
+    held = set(rng.choice(len(docs), study.heldout_articles, replace=False).tolist())
+    train = [d for i, d in enumerate(docs) if i not in held]
+    heldout = [d for i, d in enumerate(docs) if i in held]
+    log(f"data: {len(train)} training and {len(heldout)} held-out articles; training the tokenizer")
+    tokenizer = train_tokenizer(train, study.teacher, paths["tokenizer"])
+    symbols = study.teacher.symbols.ids(tokenizer)
+    corpus = list(train)
+    for _ in range(study.corpus_mqar_docs):
+        pairs = int(rng.integers(1, study.teacher.max_pairs + 1))
+        ex = mqar_example(rng, symbols, num_pairs=pairs, length=study.seq_len)
+        corpus.append(text(ex.ids, tokenizer))
+    if study.corpus_needle_docs:
+        from hydrahead_jax.experiments.small_teacher import TeacherData
+
+        teacher_data = TeacherData(study.teacher, tokenizer, train)
+        for i in range(study.corpus_needle_docs):
+            corpus.append(tokenizer.decode(teacher_data.needle_row(rng, seed=10_000_000 + i)))
+    order = rng.permutation(len(corpus))
+    _write_jsonl(paths["corpus"], [corpus[i] for i in order])
+    _write_jsonl(paths["heldout"], heldout)
+    _write_jsonl(paths["articles"], train)
+    load_folder_tokenizer(paths["tokenizer"])  # the saved tokenizer reads back
+    (out / "DONE").write_text("ok\n")
+    return paths
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tmp.replace(path)
+
+
+def _read_texts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ part 2: teacher
+
+
+def teacher_part(study: Study, workdir: Path, paths: dict[str, Path]) -> Path:
+    """The trained teacher's Hugging Face folder (trained now, or continued, when not finished)."""
+    from hydrahead_jax.experiments.small_teacher import load_folder_tokenizer, train_teacher
+
+    folder = workdir / "teacher"
+    summary = folder / "training.json"
+    if summary.exists() and (folder / "hf" / "config.json").exists():
+        return folder / "hf"
+    tokenizer = load_folder_tokenizer(paths["tokenizer"])
+    train = _read_texts(paths["articles"])
+    log(f"teacher: training {study.teacher.steps} steps of {study.teacher.batch_size} x {study.seq_len} tokens")
+    t0 = time.perf_counter()
+    result = train_teacher(study.teacher, tokenizer, train, folder, log=log)
+    previous = _read_json(summary) or {}
+    result["wall_seconds_total"] = round(previous.get("wall_seconds_total", 0.0) + time.perf_counter() - t0, 1)
+    _write_json(summary, result)
+    return folder / "hf"
+
+
+def teacher_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        h.update((folder / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ the arms
+
+
+def base_recipe(study: Study, paths: dict[str, Path], teacher: Path, seed: int) -> dict[str, Any]:
+    """The conversion recipe every arm starts from: the product's defaults (run_config.recipe_defaults) with the
+    study's teacher, corpus, budget and probe settings."""
+    from hydrahead_jax.run_config import recipe_defaults, stage_defaults
+
+    recipe = recipe_defaults()
+    recipe["seed"] = seed
+    recipe["teacher"] = {**recipe["teacher"], "source": str(teacher), "model": None}
+    recipe["data"] = {**recipe["data"], "source": str(paths["corpus"]), "num_threads": 1}
+    recipe["selection"] = {
+        **recipe["selection"],
+        "method": "combined",
+        "niah_prompts": study.probe_prompts,
+        "niah_lengths": list(study.probe_lengths),
+        "ablation_prompts": study.ablation_prompts,
+        "ablation_length": study.ablation_length,
+        "haystack": str(paths["heldout"]),
+    }
+    recipe["hybrid"] = {**recipe["hybrid"], "gdn_chunk_size": min(64, study.seq_len)}
+    recipe["logging"] = {**recipe["logging"], "tensorboard": False, "progress": False}
+    for i, key in enumerate(("stage1", "stage2", "stage3")):
+        extra = {"ce_weight": 1.0} if key == "stage3" else {}
+        recipe[key] = stage_defaults(
+            key,
+            steps=study.stage_steps[i],
+            seq_len=study.seq_len,
+            batch_size=study.batch_size,
+            lr=study.lrs[i],
+            warmup_steps=max(1, study.stage_steps[i] // 10),
+            checkpoint_every=max(1, min(50, study.stage_steps[i])),
+            loss_chunk=min(512, study.seq_len),
+            heldout_rows=0,
+            **extra,
+        )
+    return recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run of the study: an arm under one seed at a budget scale."""
+
+    arm: str
+    seed: int
+    scale: float
+
+    @property
+    def budget(self) -> str:
+        return f"x{self.scale:g}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}/seed{self.seed}/{self.budget}"
+
+
+def run_specs(study: Study, parts: list[str]) -> list[RunSpec]:
+    """Every run of the chosen parts, seed-major (a study stopped early has every arm at its first seeds)."""
+    specs = []
+    arms = [a for a in ARMS if a in parts]
+    for seed in range(max(study.seeds, study.other_seeds)):
+        specs += [RunSpec(a, seed, 1.0) for a in arms if seed < study.seeds_of(a)]
+    if CONVERGENCE in parts:
+        for seed in range(study.convergence_seeds):
+            specs += [RunSpec(a, seed, study.convergence_scale) for a in PRIMARY]
+    return specs
+
+
+def comparison_config(study: Study, paths, teacher: Path, seed: int, scale: float, arms: list[str]):
+    """The arms of one seed as a comparison recipe (``compare.load_variants`` validates it)."""
+    from ml_collections import ConfigDict
+
+    variants = []
+    for arm in arms:
+        overrides = dict(ARMS[arm])
+        if overrides.get("selection.method") == "random":
+            overrides["selection.seed"] = seed
+        variants.append({"name": arm, "overrides": overrides})
+    return ConfigDict(
+        {"base": base_recipe(study, paths, teacher, seed), "variants": variants, "budget_scale": scale},
+        type_safe=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+class Scorer:
+    """One model's logits, jitted once per input shape."""
+
+    def __init__(self, model):
+        import jax
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)
+        self.state = state
+        self._fn = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids))
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self._fn(self.state, ids))
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+def _padded_logits(scorer: Scorer, ids: np.ndarray, rows: int) -> np.ndarray:
+    """Logits of ``ids`` [N, T] in chunks of ``rows`` (the last chunk padded, so every call has one shape)."""
+    out = []
+    for sl in _chunks(len(ids), rows):
+        chunk = ids[sl]
+        pad = rows - len(chunk)
+        if pad:
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], pad, axis=0)])
+        out.append(scorer.logits(chunk)[: rows - pad])
+    return np.concatenate(out)
+
+
+def mqar_recall(scorer: Scorer, symbols, *, pairs: int, length: int, ev: StudyEval) -> dict[str, float]:
+    """Recall = P(argmax next-token = the query's value) over the cell's queries (fixed evaluation seed)."""
+    rows = max(ev.min_rows, math.ceil(ev.min_queries / pairs))
+    ids, positions, answers = mqar_batch([EVAL_SEED, pairs, length], symbols, rows=rows, num_pairs=pairs, length=length)
+    correct = 0
+    for sl in _chunks(rows, ev.batch_rows):
+        chunk = ids[sl]
+        pad = ev.batch_rows - len(chunk)
+        padded = np.concatenate([chunk, np.repeat(chunk[:1], pad, axis=0)]) if pad else chunk
+        logits = scorer.logits(padded)[: len(chunk)]
+        pred = np.take_along_axis(logits.argmax(-1), positions[sl], axis=1)
+        correct += int((pred == answers[sl]).sum())
+    return {"recall": correct / answers.size, "queries": int(answers.size), "sequences": rows}
+
+
+class EvalData:
+    """The held-out prompts and windows every model is measured on, built once per process."""
+
+    def __init__(self, study: Study, paths: dict[str, Path], tokenizer):
+        from hydrahead_jax.data.synthetic import Haystack, niah
+
+        self.study, self.tokenizer = study, tokenizer
+        self.symbols = study.teacher.symbols.ids(tokenizer)
+        texts = _read_texts(paths["heldout"])
+        stream = np.concatenate([np.asarray(x + [tokenizer.eos_id], np.int32) for x in tokenizer.encode_batch(texts)])
+        length, rows = study.seq_len, study.eval.kl_rows
+        if len(stream) < rows * length:
+            stream = np.tile(stream, math.ceil(rows * length / len(stream)))
+        self.kl_ids = stream[: rows * length].reshape(rows, length)
+        haystack = Haystack(texts, tokenizer)
+        rng = np.random.default_rng(EVAL_SEED)
+        self.niah = []
+        for i in range(study.eval.niah_prompts):
+            ex = niah(
+                tokenizer,
+                haystack,
+                length=length,
+                seed=EVAL_SEED + i,
+                depth=float(rng.uniform(0, 1)),
+                needle_type=("number", "word")[i % 2],
+            )
+            self.niah.append((ex.prompt_ids, ex.answer_ids))
+        self._teacher_logprobs = None
+
+    def teacher_logprobs(self, teacher_scorer: Scorer) -> np.ndarray:
+        if self._teacher_logprobs is None:
+            self._teacher_logprobs = _log_softmax(
+                _padded_logits(teacher_scorer, self.kl_ids, self.study.eval.batch_rows)
+            )
+        return self._teacher_logprobs
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def niah_accuracy(scorer: Scorer, prompts, rows: int) -> dict[str, float]:
+    """Exact match of greedy decoding, scored teacher-forced: the answer is produced iff at each of its tokens
+    the argmax, given the prompt and the answer's earlier tokens, is that token."""
+    width = max(len(p) + len(a) - 1 for p, a in prompts)
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, (p, a) in enumerate(prompts):
+        seq = np.concatenate([p, a[:-1]])
+        ids[i, : len(seq)] = seq
+    logits = _padded_logits(scorer, ids, rows)
+    correct = 0
+    for i, (p, a) in enumerate(prompts):
+        pred = logits[i, len(p) - 1 : len(p) - 1 + len(a)].argmax(-1)
+        correct += int(np.array_equal(pred, a))
+    return {"accuracy": correct / len(prompts), "prompts": len(prompts)}
+
+
+def evaluate(model, teacher_scorer: Scorer | None, data: EvalData) -> dict[str, Any]:
+    """MQAR recall by pairs (at the training length) and by length, NIAH accuracy, held-out KL(teacher ‖ model)
+    per token (None for the teacher itself) and the decode cache's KV bytes per token."""
+    from hydrahead_jax.evaluation.tasks import cache_sizes
+
+    t0 = time.perf_counter()
+    study, ev = data.study, data.study.eval
+    scorer = Scorer(model)
+    by_pairs = {str(n): mqar_recall(scorer, data.symbols, pairs=n, length=study.seq_len, ev=ev) for n in ev.pairs}
+    by_length = {
+        str(length): mqar_recall(scorer, data.symbols, pairs=ev.length_pairs, length=length, ev=ev)
+        for length in ev.lengths
+    }
+    kl = None
+    if teacher_scorer is not None:
+        p = data.teacher_logprobs(teacher_scorer)
+        q = _log_softmax(_padded_logits(scorer, data.kl_ids, ev.batch_rows))
+        kl = float((np.exp(p) * (p - q)).sum(-1).mean())
+    return {
+        "mqar_by_pairs": by_pairs,
+        "mqar_by_length": by_length,
+        "niah": niah_accuracy(scorer, data.niah, ev.batch_rows),
+        "kl": kl,
+        "kv_bytes_per_token": int(cache_sizes(model, study.seq_len)["kv_bytes_per_token"]),
+        "eval_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ acceptance
+
+
+def accept_teacher(study: Study, workdir: Path, teacher_folder: Path, data: EvalData, teacher_model) -> dict:
+    """Part 4 (module doc): recall, recall under ablation of the top probe-scored groups and of random ones."""
+    from hydrahead_jax.experiments.small_teacher import ablated_teacher
+    from hydrahead_jax.hybrid import HeadMap
+
+    out = workdir / "teacher" / "acceptance.json"
+    done = _read_json(out)
+    if done:
+        return done
+    pairs = headline_pairs(study)
+    cfg = teacher_model.cfg
+    scores = np.asarray(HeadMap.load(workdir / "probe" / "head_map.json").scores["combined"], np.float64)
+    k = max(1, cfg.num_layers * cfg.num_kv_heads // 8)  # the 7:1 budget's FA groups
+    flat = np.argsort(-scores.ravel(), kind="stable")[:k]
+    top = [(int(i // cfg.num_kv_heads), int(i % cfg.num_kv_heads)) for i in flat]
+    rng = np.random.default_rng([study.teacher.seed, 2])
+    rand = [(int(i // cfg.num_kv_heads), int(i % cfg.num_kv_heads)) for i in rng.choice(scores.size, k, replace=False)]
+    ev = study.eval
+
+    def recall(model):
+        return mqar_recall(Scorer(model), data.symbols, pairs=pairs, length=study.seq_len, ev=ev)["recall"]
+
+    result = {
+        "pairs": pairs,
+        "recall": recall(teacher_model),
+        "ablated_groups": top,
+        "ablated_recall": recall(ablated_teacher(teacher_folder, top)),
+        "random_groups": rand,
+        "random_ablated_recall": recall(ablated_teacher(teacher_folder, rand)),
+        "chance": 1.0 / study.teacher.symbols.num_values,
+        "accept_recall": study.accept_recall,
+        "near_chance": study.near_chance,
+    }
+    result["accepted"] = bool(result["recall"] >= study.accept_recall and result["ablated_recall"] <= study.near_chance)
+    _write_json(out, result)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ the study
+
+
+def parts_of(only: list[str]) -> list[str]:
+    every = [TEACHER, *ARMS, CONVERGENCE]
+    if not only:
+        return every
+    unknown = [p for p in only if p not in every]
+    if unknown:
+        raise ConfigError(f"--only names {unknown}; the study's parts are {every}.")
+    return [p for p in every if p in only]
+
+
+def _claim_workdir(study: Study, workdir: Path) -> None:
+    """The recipe and the claims the workdir was started with; a different one is refused (no silent restart)."""
+    recipe_file, claims_file = workdir / "study.json", workdir / "claims.json"
+    mine = study.to_dict()
+    theirs = _read_json(recipe_file)
+    if theirs is not None and json.dumps(theirs, sort_keys=True) != json.dumps(
+        json.loads(json.dumps(mine, default=str)), sort_keys=True
+    ):
+        raise ConfigError(
+            f"{workdir} holds a study started with other settings ({recipe_file}); rerun with those settings "
+            "(--quick or not as before), or give a new --workdir."
+        )
+    spec = claims_mod.claims_spec()
+    fixed = _read_json(claims_file)
+    if fixed is not None and fixed != json.loads(json.dumps(spec)):
+        raise ConfigError(
+            f"{claims_file}: the claims were fixed before this workdir's runs and hydrahead_jax/experiments/claims.py "
+            "now states other ones; a changed test needs a new study (a new --workdir)."
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    _write_json(recipe_file, mine)
+    _write_json(claims_file, spec)
+
+
+def run_study(study: Study, workdir: str | Path, *, only: list[str] = (), out: Path | None = None) -> dict:
+    """Run the chosen parts (all by default) in ``workdir`` and report every finished run (module doc)."""
+    from hydrahead_jax.training.checkpoint import WorkdirLock
+
+    check_study(study)
+    parts = parts_of(list(only))
+    workdir = Path(workdir).absolute()
+    _claim_workdir(study, workdir)
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        _run_locked(study, workdir, parts)
+    finally:
+        lock.release()
+    return report(study, workdir, out=out)
+
+
+def _teacher_and_data(study: Study, workdir: Path):
+    from hydrahead_jax.models import load_pretrained
+
+    paths = prepare_data(study, workdir)
+    folder = teacher_part(study, workdir, paths)
+    teacher, tokenizer = load_pretrained(str(folder))
+    return paths, folder, teacher, tokenizer
+
+
+def _run_locked(study: Study, workdir: Path, parts: list[str]) -> None:
+    paths, folder, teacher, tokenizer = _teacher_and_data(study, workdir)
+    specs = run_specs(study, parts)
+    all_arms = [a for a in ARMS]
+    head_maps = probe_once(load_variants(comparison_config(study, paths, folder, 0, 1.0, all_arms)), workdir)
+    data = EvalData(study, paths, tokenizer)
+    teacher_scorer = Scorer(teacher)
+    acceptance = accept_teacher(study, workdir, folder, data, teacher)
+    log(
+        f"teacher: MQAR-{acceptance['pairs']} recall {acceptance['recall']:.3f}, with its top groups ablated "
+        f"{acceptance['ablated_recall']:.3f} (random groups {acceptance['random_ablated_recall']:.3f}); "
+        f"accepted={acceptance['accepted']}"
+    )
+    if not (workdir / "teacher" / "eval.json").exists():
+        _write_json(workdir / "teacher" / "eval.json", evaluate(teacher, None, data))
+    if not acceptance["accepted"] and specs and study.require_accepted:
+        raise ConfigError(
+            f"the teacher is not accepted (MQAR recall {acceptance['recall']:.3f} < {study.accept_recall} or "
+            f"ablated recall {acceptance['ablated_recall']:.3f} > {study.near_chance}); the arms would convert a "
+            f"teacher without retrieval heads. Fix: train it longer (a new --workdir with more teacher steps)."
+        )
+    started, times = time.perf_counter(), []
+    settings = study.eval
+    for k, spec in enumerate(specs, 1):
+        config = comparison_config(study, paths, folder, spec.seed, spec.scale, [spec.arm])
+        variant = load_variants(config)[0]
+        seed_dir = workdir / "runs" / spec.budget / f"seed{spec.seed}"
+        run, vdir, digest = _variant_run(variant, head_maps, seed_dir, settings)
+        if _finished(vdir, digest):
+            log(f"{k}/{len(specs)} {spec.name}: finished earlier, skipped")
+            continue
+        t0 = time.perf_counter()
+        timings = _read_json(vdir / "timings.json") or {}
+        for stage in STAGE_ORDER:
+            if _stage_finished(run, vdir, stage):
+                continue
+            log(f"{k}/{len(specs)} {spec.name}: stage {stage}")
+            s0 = time.perf_counter()
+            try:
+                run_stage(run, vdir, stage)
+            finally:
+                timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - s0, 1)
+                _write_json(vdir / "timings.json", timings)
+        from hydrahead_jax.export import load_hydrahead
+
+        student, _ = load_hydrahead(vdir / "final")
+        result = evaluate(student, teacher_scorer, data)
+        _write_json(vdir / "eval.json", {"config_hash": digest, "run": dataclasses.asdict(spec), **result})
+        prune_checkpoints(vdir)
+        times.append(time.perf_counter() - t0)
+        left = len(specs) - k
+        log(
+            f"{k}/{len(specs)} {spec.name}: done in {times[-1]:.0f} s (MQAR-{headline_pairs(study)} "
+            f"{result['mqar_by_pairs'][str(headline_pairs(study))]['recall']:.3f}, KL {result['kl']:.4f}); "
+            f"elapsed {time.perf_counter() - started:.0f} s, ETA {np.mean(times) * left:.0f} s"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def summary(result: dict, pairs: int) -> dict[str, float | None]:
+    return {"mqar64_recall": result["mqar_by_pairs"][str(pairs)]["recall"], "kl": result.get("kl")}
+
+
+def local_records(study: Study, workdir: Path) -> list[dict]:
+    """The finished runs of ``workdir`` whose eval.json matches the run's current config hash (a run of an older
+    recipe counts as unfinished, as in the comparison)."""
+    paths = {
+        "tokenizer": workdir / "data" / "tokenizer",
+        "corpus": workdir / "data" / "corpus.jsonl",
+        "heldout": workdir / "data" / "heldout.jsonl",
+    }
+    folder = workdir / "teacher" / "hf"
+    head_maps = {
+        arm: str(workdir / "head_maps" / f"{arm}.json")
+        for arm in ARMS
+        if ARMS[arm].get("selection.method") == "combined"
+    }
+    records = []
+    for spec in run_specs(study, parts_of([])):
+        variant = load_variants(comparison_config(study, paths, folder, spec.seed, spec.scale, [spec.arm]))[0]
+        _, vdir, digest = _variant_run(
+            variant, head_maps, workdir / "runs" / spec.budget / f"seed{spec.seed}", study.eval
+        )
+        if _finished(vdir, digest):
+            data = _read_json(vdir / "eval.json")
+            records.append(
+                {k: v for k, v in data.items() if k != "config_hash"}
+                | {"stage_seconds": _read_json(vdir / "timings.json") or {}}
+            )
+    return records
+
+
+def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), out: Path | None = None) -> dict:
+    """results.json, report.md and recall_by_length.png from the finished runs of ``workdir`` and ``merge``."""
+    workdir = Path(workdir).absolute()
+    out = Path(out) if out else workdir / "results"
+    teacher_eval = _read_json(workdir / "teacher" / "eval.json")
+    acceptance = _read_json(workdir / "teacher" / "acceptance.json")
+    if not teacher_eval or not acceptance:
+        raise ConfigError(f"{workdir} holds no finished teacher yet; run the study (its teacher part) first.")
+    digest = teacher_digest(workdir / "teacher" / "hf")
+    records = {(r["run"]["arm"], r["run"]["seed"], r["run"]["scale"]): r for r in local_records(study, workdir)}
+    for path in merge:
+        theirs = _read_json(Path(path))
+        if not isinstance(theirs, dict) or "runs" not in theirs:
+            raise ConfigError(f"--merge {path}: not a reproduction's results.json.")
+        if theirs.get("study_digest") != study.digest() or theirs.get("teacher", {}).get("digest") != digest:
+            raise ConfigError(
+                f"--merge {path}: it ran another study recipe or another teacher (its study/teacher digests differ "
+                "from this workdir's); only runs of the same study on the same teacher are reported together."
+            )
+        if theirs.get("claims_hash") != claims_mod.spec_hash():
+            raise ConfigError(f"--merge {path}: its claims differ from claims.py's; it belongs to another study.")
+        for r in theirs["runs"]:
+            key = (r["run"]["arm"], r["run"]["seed"], r["run"]["scale"])
+            records.setdefault(key, {**r, "merged_from": str(Path(path).absolute())})
+    pairs = headline_pairs(study)
+    base = {}
+    for (arm, seed, scale), r in records.items():
+        if scale == 1.0:
+            base.setdefault(arm, {})[seed] = summary(r, pairs)
+    decided = claims_mod.decide(base)
+    results = {
+        "claims": [
+            {k: c[k] for k in ("id", "statement", "decision", "estimate", "ci_low", "ci_high", "n_seeds")} | c
+            for c in decided
+        ],
+        "convergence": convergence(study, records, pairs),
+        "teacher": {
+            "digest": digest,
+            "accepted": acceptance["accepted"],
+            "acceptance": acceptance,
+            "training": _read_json(workdir / "teacher" / "training.json"),
+            "eval": teacher_eval,
+        },
+        "headline_pairs": pairs,
+        "claims_hash": claims_mod.spec_hash(),
+        "study_digest": study.digest(),
+        "study": study.to_dict(),
+        "runs": sorted(records.values(), key=lambda r: (r["run"]["scale"], r["run"]["seed"], r["run"]["arm"])),
+        "unfinished": [s.name for s in run_specs(study, parts_of([])) if (s.arm, s.seed, s.scale) not in records],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "results.json", results)
+    plots = [plot_recall(results, out)]
+    (out / "report.md").write_text(render(results, plots))
+    log(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(plots)}")
+    return results
+
+
+def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
+    """The primary differences (head_7to1 − layer_3to1 per metric, mean over the seeds that finished both
+    budgets) at the base budget and at ``convergence_scale`` x it; converged when every difference moves by less
+    than half its claim margin (None until a seed has finished both budgets)."""
+    h1, scale = claims_mod.CLAIMS[0], study.convergence_scale
+    budgets = (1.0, scale)
+    seeds = [
+        s
+        for s in range(study.convergence_seeds)
+        if all((arm, s, b) in records for arm in (h1.arm_a, h1.arm_b) for b in budgets)
+    ]
+    out: dict[str, Any] = {"scale": scale, "seeds": seeds, "metrics": {}, "converged": None}
+    if not seeds:
+        return out
+    verdicts = []
+    for comp in h1.components:
+        key, _ = claims_mod.METRICS[comp.metric]
+
+        def difference(budget, key=key):
+            values = [
+                summary(records[(h1.arm_a, s, budget)], pairs)[key]
+                - summary(records[(h1.arm_b, s, budget)], pairs)[key]
+                for s in seeds
+            ]
+            return float(np.mean(values))
+
+        diffs = {f"x{b:g}": difference(b) for b in budgets}
+        moved = abs(diffs[f"x{scale:g}"] - diffs["x1"])
+        verdicts.append(moved < comp.margin / 2)
+        out["metrics"][comp.metric] = {"differences": diffs, "moved": moved, "limit": comp.margin / 2}
+    out["converged"] = all(verdicts)
+    return out
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def arm_table(results: dict) -> dict[str, dict[str, Any]]:
+    """Per arm at the base budget: seeds, mean ± sample std of MQAR recall (headline pairs), KL, NIAH, KV bytes."""
+    from hydrahead_jax.experiments.report import _mean_spread
+
+    pairs = str(results["headline_pairs"])
+    table = {}
+    for arm in ARMS:
+        rs = [r for r in results["runs"] if r["run"]["arm"] == arm and r["run"]["scale"] == 1.0]
+        if not rs:
+            continue
+        table[arm] = {
+            "seeds": len(rs),
+            "mqar": _mean_spread([r["mqar_by_pairs"][pairs]["recall"] for r in rs]),
+            "kl": _mean_spread([r["kl"] for r in rs]),
+            "niah": _mean_spread([r["niah"]["accuracy"] for r in rs]),
+            "kv_bytes_per_token": rs[0]["kv_bytes_per_token"],
+        }
+    return table
+
+
+def render(results: dict, plots: list[str]) -> str:
+    t = results["teacher"]
+    acc = t["acceptance"]
+    lines = ["# Reproduction of HydraHead's claims on a small teacher trained here", ""]
+    lines += ["## Claims (decided by the tests fixed in hydrahead_jax/experiments/claims.py)", ""]
+    lines += ["| claim | decision | estimate [95 % interval] per metric | seeds | statement |", "|---|---|---|---|---|"]
+    for c in results["claims"]:
+        comps = "; ".join(
+            f"{x['metric']}: {_fmt(x.get('estimate'), 4)} [{_fmt(x.get('ci_low'), 4)}, {_fmt(x.get('ci_high'), 4)}]"
+            for x in c["components"]
+        )
+        lines.append(f"| {c['id']} | {c['decision']} | {comps} | {c['n_seeds']} | {c['statement']} |")
+    lines += [
+        "",
+        "Estimates are arm A − arm B (recall as a fraction, KL in nats/token); intervals are paired "
+        "bootstrap percentile intervals; decisions use Holm-adjusted one-sided bootstrap p-values.",
+        "",
+    ]
+    lines += ["## Teacher", ""]
+    training = t.get("training") or {}
+    lines.append(
+        f"MQAR-{acc['pairs']} recall {acc['recall']:.4f}; with its {len(acc['ablated_groups'])} top probe-scored "
+        f"KV groups ablated {acc['ablated_recall']:.4f}, with as many random groups {acc['random_ablated_recall']:.4f} "
+        f"(chance {acc['chance']:.4f}). Accepted: **{t['accepted']}**. Training: {training.get('steps')} steps, "
+        f"{training.get('tokens_per_second')} tokens/s, {training.get('wall_seconds_total')} s."
+    )
+    lines += ["", "## Arms (base budget; mean ± sample std over seeds)", ""]
+    lines += ["| arm | seeds | MQAR recall | KL | NIAH | KV bytes/token |", "|---|---|---|---|---|---|"]
+    for arm, row in arm_table(results).items():
+        m, kl, niah = row["mqar"], row["kl"], row["niah"]
+        lines.append(
+            f"| {arm} | {row['seeds']} | {_fmt(m[0])} ± {_fmt(m[1])} | {_fmt(kl[0], 4)} ± {_fmt(kl[1], 4)} | "
+            f"{_fmt(niah[0])} ± {_fmt(niah[1])} | {row['kv_bytes_per_token']} |"
+        )
+    conv = results["convergence"]
+    lines += ["", f"## Convergence (x{conv['scale']:g} budget)", "", f"converged: {conv['converged']}"]
+    for metric, m in conv["metrics"].items():
+        lines.append(
+            f"- {metric}: differences {m['differences']}, moved {_fmt(m.get('moved'), 4)} (limit {m['limit']})"
+        )
+    if results["unfinished"]:
+        lines += ["", f"Unfinished runs ({len(results['unfinished'])}): {', '.join(results['unfinished'])}"]
+    lines += ["", *[f"![{p}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def plot_recall(results: dict, out: Path) -> str:
+    """MQAR recall against sequence length per arm (mean over seeds), the teacher dashed, the training length
+    dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hydrahead_jax.experiments.report import _legend_below, _styles
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    handles = {}
+    styles = _styles(len(ARMS))
+    for style, arm in zip(styles, ARMS, strict=True):
+        rs = [r for r in results["runs"] if r["run"]["arm"] == arm and r["run"]["scale"] == 1.0]
+        if not rs:
+            continue
+        lengths = sorted(int(k) for k in rs[0]["mqar_by_length"])
+        ys = [np.mean([r["mqar_by_length"][str(n)]["recall"] for r in rs]) for n in lengths]
+        (h,) = ax.plot(lengths, ys, marker=style["marker"], color=style["color"], label=f"{arm} (n={len(rs)})")
+        handles[h.get_label()] = h
+    teacher = results["teacher"]["eval"]["mqar_by_length"]
+    lengths = sorted(int(k) for k in teacher)
+    (h,) = ax.plot(lengths, [teacher[str(n)]["recall"] for n in lengths], "k--", label="teacher")
+    handles["teacher"] = h
+    handles["training length"] = ax.axvline(results["study"]["teacher"]["seq_len"], color="grey", ls=":")
+    ax.set_xlabel(f"sequence length (tokens), {results['study']['eval']['length_pairs']} pairs")
+    ax.set_ylabel("MQAR recall")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    _legend_below(fig, handles)
+    fig.savefig(out / "recall_by_length.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return "recall_by_length.png"
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+
+def measure_teacher(study: Study, workdir: Path, steps: int) -> dict[str, Any]:
+    """Train the study's teacher for ``steps`` steps in ``workdir/throughput`` (its own directory) and
+    extrapolate the whole training's wall time from the measured tokens per second, and from the tokens per CPU
+    second times the cores (what the machine alone would do at full parallel use: a lower bound on the time)."""
+    import dataclasses as dc
+
+    from hydrahead_jax.experiments.small_teacher import extrapolate, load_folder_tokenizer, train_teacher
+
+    paths = prepare_data(study, workdir)
+    tokenizer = load_folder_tokenizer(paths["tokenizer"])
+    recipe = dc.replace(study.teacher, steps=steps, checkpoint_every=steps)
+    train = _read_texts(paths["articles"])
+    import shutil
+
+    shutil.rmtree(workdir / "throughput", ignore_errors=True)
+    result = train_teacher(recipe, tokenizer, train, workdir / "throughput", log=log)
+    result["estimated_teacher_seconds"] = extrapolate(result["tokens_per_second"], study.teacher)
+    result["estimated_teacher_seconds_alone"] = extrapolate(
+        result["tokens_per_cpu_second"] * os.cpu_count(), study.teacher
+    )
+    log(f"teacher throughput: {result}")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def main(argv=None) -> int:
+    from absl import app, flags
+
+    workdir = flags.DEFINE_string("workdir", None, "The study's directory (data, teacher, runs).")
+    quick = flags.DEFINE_bool("quick", False, "Tiny sizes, every part of the study (the test suite's run).")
+    only = flags.DEFINE_list("only", [], f"Run only these parts: {TEACHER}, an arm ({', '.join(ARMS)}), {CONVERGENCE}.")
+    report_only = flags.DEFINE_bool("report_only", False, "Write the report from the finished runs; train nothing.")
+    merge = flags.DEFINE_list("merge", [], "With --report_only: results.json files of other workdirs of this study.")
+    out = flags.DEFINE_string(
+        "out",
+        None,
+        "Where results.json, report.md and the plot go (default: bench/results/reproduction, or "
+        "WORKDIR/results with --quick).",
+    )
+    measure = flags.DEFINE_integer(
+        "measure_teacher_steps", 0, "Only measure the teacher's training throughput over this many steps."
+    )
+    flags.mark_flags_as_required(["workdir"])
+
+    def _main(args):
+        if len(args) > 1:
+            raise app.UsageError(f"unexpected arguments {args[1:]}; options are given as --flag=value.")
+        from absl import logging
+
+        from hydrahead_jax.experiments.compare import _persistent_compilation_cache
+        from hydrahead_jax.training.errors import USER_ERRORS
+        from hydrahead_jax.training.trainer import Preempted
+
+        logging.set_verbosity(logging.WARNING)
+        _persistent_compilation_cache()
+        study = quick_study() if quick.value else Study()
+        target = Path(out.value) if out.value else (None if quick.value else Path("bench/results/reproduction"))
+        try:
+            if merge.value and not report_only.value:
+                raise ConfigError("--merge reports finished results; use it with --report_only.")
+            if measure.value:
+                measure_teacher(study, Path(workdir.value).absolute(), measure.value)
+            elif report_only.value:
+                report(study, workdir.value, merge=merge.value, out=target)
+            else:
+                run_study(study, workdir.value, only=only.value, out=target)
+        except USER_ERRORS as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except Preempted as stop:
+            print(f"preempted: {stop}", file=sys.stderr, flush=True)
+            sys.exit(143)
+
+    app.run(_main, argv=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

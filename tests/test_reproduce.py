@@ -1,0 +1,35 @@
+"""The reproduction study (experiments/reproduce.py): the refusals that keep a workdir's study from changing under
+it, and the run plan."""
+
+import pytest
+
+from hydrahead_jax.config import ConfigError
+from hydrahead_jax.experiments import reproduce
+
+
+def test_a_workdir_refuses_another_study_or_changed_claims(tmp_path, monkeypatch):
+    study = reproduce.quick_study()
+    reproduce._claim_workdir(study, tmp_path)
+    reproduce._claim_workdir(study, tmp_path)  # the same study continues
+    import dataclasses
+
+    with pytest.raises(ConfigError, match="other settings"):
+        reproduce._claim_workdir(dataclasses.replace(study, seeds=3), tmp_path)
+    from hydrahead_jax.experiments import claims
+
+    changed = [dict(c, alpha=0.1) for c in claims.claims_spec()]
+    monkeypatch.setattr(claims, "claims_spec", lambda: changed)
+    with pytest.raises(ConfigError, match="claims were fixed before"):
+        reproduce._claim_workdir(study, tmp_path)
+
+
+def test_only_names_parts_and_runs_are_seed_major():
+    with pytest.raises(ConfigError, match="parts are"):
+        reproduce.parts_of(["head_7to1", "nope"])
+    study = reproduce.Study()
+    specs = reproduce.run_specs(study, reproduce.parts_of([]))
+    base = [s for s in specs if s.scale == 1.0]
+    assert len([s for s in base if s.arm == "head_7to1"]) == 5 and len([s for s in base if s.arm == "all_la"]) == 3
+    assert len(base) == 2 * 5 + 5 * 3 and len(specs) == len(base) + 2 * 3
+    assert [s.seed for s in base] == sorted(s.seed for s in base)  # every arm's first seeds come first
+    assert {s.arm for s in reproduce.run_specs(study, ["convergence"])} == set(reproduce.PRIMARY)

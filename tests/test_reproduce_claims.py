@@ -1,0 +1,96 @@
+"""The reproduction's statistics (experiments/claims.py) against exact enumeration and values worked out by hand."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hydrahead_jax.experiments import claims
+
+
+def exact_bootstrap_means(d):
+    """Every one of the n^n equally likely resamples of d, enumerated: the bootstrap distribution exactly."""
+    return np.asarray([np.mean(c) for c in itertools.product(d, repeat=len(d))])
+
+
+def test_bootstrap_pvalue_and_interval_match_exact_enumeration():
+    d = np.asarray([0.02, -0.01, 0.05, 0.04])
+    exact = exact_bootstrap_means(d)  # 256 resamples
+    means = claims.bootstrap_means(d, 200_000, seed=3)
+    for threshold in (-0.03, 0.0, 0.02):
+        p_exact = np.mean(exact <= threshold)
+        p, q = claims.one_sided_pvalues(means, threshold)
+        # Monte-Carlo error of a proportion over 200k resamples: sd <= 0.0011; 0.005 is > 4 sd.
+        assert p == pytest.approx(p_exact, abs=0.005)
+        assert q == pytest.approx(np.mean(exact >= threshold), abs=0.005)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    e_lo, e_hi = np.quantile(exact, [0.025, 0.975])
+    # the resample means sit on a grid of 0.0025 (sums of 4 of the d values / 4): within one grid step
+    assert lo == pytest.approx(e_lo, abs=0.0026) and hi == pytest.approx(e_hi, abs=0.0026)
+
+
+def test_two_seed_bootstrap_by_hand():
+    # d = (0, 1): resample means 0 (1/4), 0.5 (1/2), 1 (1/4). P(mean <= 0) = 1/4, P(mean >= 0.5) = 3/4.
+    means = claims.bootstrap_means(np.asarray([0.0, 1.0]), 100_000, seed=0)
+    p, _ = claims.one_sided_pvalues(means, 0.0)
+    _, q = claims.one_sided_pvalues(means, 0.5)
+    assert p == pytest.approx(0.25, abs=0.006) and q == pytest.approx(0.75, abs=0.006)
+
+
+def test_holm_by_hand():
+    # sorted p: 0.01 (x4 = 0.04), 0.02 (x3 = 0.06), 0.03 (x2 = 0.06), 0.04 (x1 = 0.04 -> running max 0.06)
+    assert claims.holm([0.03, 0.01, 0.04, 0.02]) == pytest.approx([0.06, 0.04, 0.06, 0.06])
+    assert claims.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert claims.holm([0.001]) == pytest.approx([0.001])
+
+
+def _summaries(arms):
+    return {arm: {s: {"mqar64_recall": r, "kl": k} for s, (r, k) in enumerate(vals)} for arm, vals in arms.items()}
+
+
+def test_decisions_follow_the_fixed_tests():
+    five = range(5)
+    arms = {
+        # H1: head 7:1 recall 1 point below layer 3:1 (margin 3) and KL 0.01 above (margin 0.05): non-inferior
+        "head_7to1": [(0.90 + 0.001 * s, 0.20 + 0.001 * s) for s in five],
+        "layer_3to1": [(0.91 + 0.001 * s + 0.002 * (s % 2), 0.19 + 0.001 * s) for s in five],
+        # H2: head 3:1 clearly below layer 3:1 -> contradicted
+        "head_3to1": [(0.70 + 0.01 * s, 0.2) for s in five],
+        # H3: random 7:1 identical on average to head 7:1 (differences +-0.02) -> undecided
+        "random_7to1": [(0.90 + 0.001 * s + (0.02 if s % 2 else -0.02), 0.2) for s in five],
+        # H4: no fusion has clearly higher KL -> supported
+        "head_7to1_nofusion": [(0.9, 0.40 + 0.01 * s) for s in five],
+    }
+    rows = {r["id"]: r for r in claims.decide(_summaries(arms), resamples=4000)}
+    assert [r["id"] for r in claims.decide(_summaries(arms), resamples=100)][0] == "H1"  # the primary claim first
+    assert rows["H1"]["decision"] == "supported"
+    assert rows["H1"]["estimate"] == pytest.approx(-0.0108, abs=1e-9)  # mean of -(0.01 + 0.002 (s % 2))
+    assert rows["H2"]["decision"] == "contradicted"
+    assert rows["H3"]["decision"] == "undecided"
+    assert rows["H4"]["decision"] == "supported"
+    assert rows["H4"]["estimate"] == pytest.approx(0.202 - 0.42, abs=1e-9)  # KL with − without fusion (means)
+    assert rows["H4"]["ci_high"] < 0  # lower KL with the fusion, the whole interval
+    for r in rows.values():
+        assert r["n_seeds"] == 5
+        assert r["ci_low"] <= r["estimate"] <= r["ci_high"]
+
+
+def test_non_inferiority_fails_on_either_metric_and_one_seed_is_undecided():
+    five = range(5)
+    arms = {
+        # recall fine but KL 0.2 higher than the margin of 0.05 allows -> H1 contradicted (the KL component)
+        "head_7to1": [(0.91, 0.40 + 0.001 * s) for s in five],
+        "layer_3to1": [(0.91, 0.20 + 0.002 * s) for s in five],
+    }
+    rows = {r["id"]: r for r in claims.decide(_summaries(arms), resamples=4000)}
+    assert rows["H1"]["decision"] == "contradicted"
+    assert rows["H2"]["decision"] == "undecided" and rows["H2"]["n_seeds"] == 0  # arm not run
+    one = {"head_7to1": [(0.9, 0.2)], "layer_3to1": [(0.5, 0.9)]}
+    assert claims.decide(_summaries(one), resamples=100)[0]["decision"] == "undecided"
+
+
+def test_claims_spec_is_stable_data():
+    spec = claims.claims_spec()
+    assert [c["id"] for c in spec] == ["H1", "H2", "H3", "H4"]
+    assert spec[0]["components"] == [{"metric": "mqar64", "margin": 0.03}, {"metric": "kl", "margin": 0.05}]
+    assert claims.spec_hash() == claims.spec_hash()
