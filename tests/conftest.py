@@ -1,7 +1,6 @@
 """Test setup: 8 simulated CPU devices (must be set before JAX initialises) and shared fixtures."""
 
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -20,14 +19,9 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# The persistent compilation cache for the tests' own compilations too (train_helpers gives the train.py and
-# bench subprocesses the same folder): a test that trains, resumes or reruns a program compiled by an earlier test
-# or session reads it back instead of compiling it again. Keys include the program, the devices and the flags.
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "hydrahead_test_jax_cache")),
-)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# No persistent compilation cache in the test processes themselves: deserialising XLA:CPU executables that two
+# pytest workers write and read at once crashed workers (a segfault in the cache read, an abort in a compile);
+# the train.py and bench subprocesses get one from train_helpers, each run reading what an earlier run wrote.
 
 
 import collections  # noqa: E402

@@ -39,7 +39,8 @@ LR = 1e-5
 def _setup():
     teacher = Transformer(CFG, rngs=nnx.Rngs(0))
     head_map = HeadMap.from_fa_groups(CFG, [[0], [1]], method="test")
-    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
+    # fusion="both": every γ entry then gets a gradient of the size the movement check below was measured at
+    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16, fusion="both"), rngs=nnx.Rngs(1))
     graphdef, params, frozen = nnx.split(student, nnx.Param, ...)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, 32)), jnp.int32)
