@@ -73,7 +73,8 @@ def test_a_checkpoint_of_another_model_width_stops_with_one_line_and_nothing_mov
     message = str(caught.value)
     assert "\n" not in message
     assert f"checkpoint step 4 in {copy / STAGE} holds another model" in message
-    assert "stored float32[32, 64], this run float32[32, 48]" in message  # an MLP kernel, named by its path
+    # the stacked MLP kernel of the 2 layers, named by its path
+    assert "stored float32[2, 32, 64], this run float32[2, 32, 48]" in message
     assert "--restart_stage=distil" in message
     assert _tree(copy) == before
 
