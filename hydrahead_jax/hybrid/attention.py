@@ -136,6 +136,14 @@ def _scale_rms_norm_bwd(eps, res, dy):
 _scale_rms_norm.defvjp(_scale_rms_norm_fwd, _scale_rms_norm_bwd)
 
 
+def abstract_gdn_heads(cfg: ModelConfig, hybrid_cfg: HybridConfig, num_groups: int) -> GatedDeltaNetHeads:
+    """GDN heads of ``num_groups`` LA groups as shapes only (its structure and shapes, nothing allocated). Built
+    with no mesh in context: it is also built while a train step traces under the run's mesh, and a mesh would
+    have ``nnx.eval_shape`` turn the parameters' logical axis names (``norm``, ...) into mesh axes it lacks."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.eval_shape(lambda: GatedDeltaNetHeads(cfg, hybrid_cfg, tuple(range(num_groups)), rngs=nnx.Rngs(0)))
+
+
 class HydraHeadAttention(Attention):
     """The teacher's attention with some KV groups run as Gated DeltaNet heads (submodule ``gdn``) and head outputs
     fused (submodule ``fusion``), in the form every layer of a student shares (the layers are one stack).
@@ -238,9 +246,7 @@ class HydraHeadAttention(Attention):
         def gdn_size(groups: int) -> int:
             if not groups:
                 return 0
-            shape = nnx.eval_shape(
-                lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(groups)), rngs=nnx.Rngs(0))
-            )
+            shape = abstract_gdn_heads(self.cfg, self.hybrid_cfg, groups)
             return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(shape, nnx.Param)))
 
         own = self.cfg.num_kv_heads - kind if self.is_hybrid(kind) else 0
@@ -258,8 +264,7 @@ class HydraHeadAttention(Attention):
         n = self.cfg.num_kv_heads - kind
         if n == self.max_la_groups:
             return self.gdn
-        shape = nnx.eval_shape(lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(n)), rngs=nnx.Rngs(0)))
-        graphdef, _ = nnx.split(shape)
+        graphdef, _ = nnx.split(abstract_gdn_heads(self.cfg, self.hybrid_cfg, n))
         return nnx.merge(graphdef, take_la_groups(nnx.state(self.gdn), self.cfg, self.max_la_groups, n))
 
     def head_outputs(
@@ -341,8 +346,7 @@ class HydraHeadAttention(Attention):
             shape = (batch, max_len, kind, self.cfg.head_dim)
             cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
         n = self.cfg.num_kv_heads - kind  # the cache depends on shapes only: an abstract module of n groups
-        heads = nnx.eval_shape(lambda: GatedDeltaNetHeads(self.cfg, self.hybrid_cfg, tuple(range(n)), rngs=nnx.Rngs(0)))
-        cache.update(heads.init_cache(batch, dtype))
+        cache.update(abstract_gdn_heads(self.cfg, self.hybrid_cfg, n).init_cache(batch, dtype))
         return cache
 
 
