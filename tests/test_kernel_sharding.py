@@ -103,10 +103,17 @@ def test_every_pallas_call_of_the_train_step_sits_in_a_shard_map():
     assert [c for c in calls if not c[1]] == []
     # Split where the head counts allow: GDN q/k/v/g/β (2 LA heads) over tensor; FA (1 KV head) whole; batch over
     # (data, fsdp) as the rules say (fsdp has size 1 here). The other shard_maps are the transposes, for the backward.
+    # Inside the scanned layers, the gradient's partial evaluation passes per-device values (float32[8], one per
+    # device, spec over every mesh axis) to a kernel's shard_map ahead of its own operands: the kernel's operands
+    # are the trailing ones.
     specs = shard_map_in_specs(jaxpr)
     rows = ("data", "fsdp")
-    assert (P(rows, None, "tensor", None),) * 3 + (P(rows, None, "tensor"),) * 2 in specs, specs
-    assert (P(rows, None, None, None),) * 3 in specs, specs
+
+    def a_call_ends_with(operands: tuple) -> bool:
+        return any(s[-len(operands) :] == operands for s in specs)
+
+    assert a_call_ends_with((P(rows, None, "tensor", None),) * 3 + (P(rows, None, "tensor"),) * 2), specs
+    assert a_call_ends_with((P(rows, None, None, None),) * 3), specs
 
     # One device (no mesh): the kernels are called as before, with no shard_map around them.
     unwrapped = pallas_calls(student_loss_jaxpr(None, **PALLAS))
@@ -142,8 +149,9 @@ def test_sharded_prefill_and_decode_give_the_unsharded_logits():
     with jax.set_mesh(mesh):
         wrapped = shard_map_in_specs(jax.make_jaxpr(generate)(state, ids).jaxpr)
         logits_sharded, state_sharded = generate(state, ids)
-    # prefill: 2 layers × (flash attention + chunked rule); decode: 2 layers × the GDN step.
-    assert len(wrapped) == 2 * 2 + 2
+    # The layers are one scan whose body is traced once per layer kind (here both layers keep one FA group):
+    # prefill's flash attention and chunked rule, decode's GDN step.
+    assert model.kinds == (1,) and len(wrapped) == 2 + 1, wrapped
     # Same per-row arithmetic; only XLA's partitioned reductions around the kernels change order.
     np.testing.assert_allclose(logits_sharded, logits_one, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state_sharded, state_one, rtol=1e-5, atol=1e-6)
