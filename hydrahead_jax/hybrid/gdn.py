@@ -241,7 +241,7 @@ def _head_layout(hd: int) -> dict[tuple[str, ...], tuple[int, tuple[tuple[str, i
     }
 
 
-def _segments(path, cfg: ModelConfig, num_kv: int):
+def _segments(path, cfg: ModelConfig):
     """(axis, segments) of GDN parameter ``path`` (``_head_layout``)."""
     layout = _head_layout(cfg.head_dim)
     key = tuple(str(p) for p in path)
@@ -258,7 +258,7 @@ def take_la_groups(state: nnx.State, cfg: ModelConfig, num_kv_total: int, num_kv
     g = cfg.group_size
 
     def take(path, a):
-        axis, segments = _segments(path, cfg, num_kv)
+        axis, segments = _segments(path, cfg)
         parts, start = [], 0
         for unit, width in segments:
             per = width * (g if unit == "heads" else 1)
@@ -273,7 +273,7 @@ def place_la_array(path, a, cfg: ModelConfig, num_kv: int, num_kv_total: int):
     """Parameter ``path`` of GDN heads for ``num_kv`` LA KV groups, laid out for ``num_kv_total`` (the other
     groups' slots zero): the inverse of ``take_la_groups`` for one array (numpy or jax)."""
     xp = jnp if isinstance(a, jax.Array) else np
-    axis, segments = _segments(path, cfg, num_kv)
+    axis, segments = _segments(path, cfg)
     parts, start = [], 0
     for unit, width in segments:
         per = width * (cfg.group_size if unit == "heads" else 1)

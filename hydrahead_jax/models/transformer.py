@@ -403,7 +403,7 @@ class Transformer(nnx.Module):
         layers of that kind, leading axis L_kind)}: layers of different kinds keep caches of different sizes
         (a student's KV cache holds only its FA groups), so each kind has its own stack."""
         dtype = self.cfg.jnp_dtype if dtype is None else dtype
-        attn = self.layer(0).self_attn
+        attn = self.layers.self_attn  # its cache depends on the config and the kind only, not on the weights
         stacks = []
         for kind in self.kinds:
             count = self.layer_kinds.count(kind)
