@@ -14,6 +14,8 @@ from lr 0, one learning rate per stage, synthetic rows with loss on their answer
     gdn_teacher       each LA head's decay from its teacher head's mean attention distance, β from its attention
                       entropy, the β offset a trainable per-head parameter (hybrid/gdn_init.py)
     qk_map            identity-initialised per-head maps on the LA heads' q and k, trained in stage 1
+    la_qkv            stage 1 also trains the LA groups' slices of the copied q/k/v at 0.1 · lr (the FA groups'
+                      slices stay the teacher's; train="new+la_qkv")
     warmup            warm-up over 10 % of each stage's steps from 0.1 · lr (instead of a fixed count from 0)
     lr_groups         stages 2-3: the copied non-attention weights (MLPs, norms, embeddings) at 0.1 · lr
     retrieval_rows    stage 3's synthetic rows with the KL/CE over the whole row (synthetic_loss="full")
@@ -33,6 +35,7 @@ _CHANGES = {
     "fusion_la_scale": {"hybrid.fusion": "la_scale"},
     "gdn_teacher": {"hybrid.gdn_init": "teacher", "hybrid.gdn_beta_bias": True, "hybrid.gdn_dt_max": 1.0},
     "qk_map": {"hybrid.gdn_qk_map": True},
+    "la_qkv": {"stage1.train": "new+la_qkv", "stage1.lr_scale_attention": 0.1},
     "warmup": _WARMUP,
     "lr_groups": _LR_GROUPS,
     "retrieval_rows": {"stage3.synthetic_loss": "full"},

@@ -233,7 +233,7 @@ def stack_per_layer_export(raw: dict, abs_state, cfg: ModelConfig, head_map: Hea
 
     layers = {str(k): v for k, v in raw["layers"].items()}
     orders = [group_order(groups, cfg.num_kv_heads) for groups in head_map.fa_groups]
-    max_la = cfg.num_kv_heads - min(len(groups) for groups in head_map.fa_groups)
+    max_la = cfg.num_kv_heads - min(head_map.fa_counts())
     q_cols = [group_columns(o, cfg.group_size, cfg.head_dim) for o in orders]
     kv_cols = [group_columns(o, 1, cfg.head_dim) for o in orders]
     heads = [group_columns(o, cfg.group_size, 1) for o in orders]

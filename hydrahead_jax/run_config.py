@@ -47,7 +47,7 @@ STAGES = (
 )
 SELECT = "select"  # stage 0: the head map
 STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
-TRAIN_CHOICES = ("new", "all")
+TRAIN_CHOICES = ("new", "all", "new+la_qkv", "new+la_qkvo")  # hybrid.build.TRAIN_FILTERS
 SYNTHETIC_LOSSES = ("answer", "full")  # data.mixture.synthetic_row's loss choices
 MASTER_DTYPES = ("float32", "param")
 LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
@@ -187,7 +187,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
     """One training stage: budget (``steps``, or ``tokens`` when steps == 0), data shape, AdamW with a linear
-    warmup and a cosine decay to lr·end_lr_ratio, the parameters it trains (``train``, see ``Stage``), loss
+    warmup and a cosine decay to lr·end_lr_ratio, the parameters it trains (``train``: "new" the GDN and fusion
+    parameters, "all" every parameter, "new+la_qkv" / "new+la_qkvo" the new ones plus the LA groups' slices of the
+    copied q/k/v (and o) projections, the FA groups' slices kept the teacher's; ``Stage`` has the defaults), loss
     weights, checkpoint interval, and ``remat``: recompute each student layer in the backward pass (keeps one
     layer's activations instead of all of them, for about one more forward pass of compute). Memory:
     ``micro_batches`` accumulates the f32 gradient over that many row groups per step (the same loss and gradient as

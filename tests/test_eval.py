@@ -32,7 +32,7 @@ from hydrahead_jax.evaluation import (
 )
 from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
 from hydrahead_jax.models import Transformer
-from hydrahead_jax.models.transformer import hf_weight_map
+from hydrahead_jax.models.loaders import save_hf_folder
 
 SUBJECTS = [
     "The river",
@@ -103,40 +103,6 @@ def perturbed(model: Transformer, scale: float, seed: int) -> Transformer:
     for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
         var.set_value((var[...] * (1 + scale * rng.standard_normal(var.shape))).astype(np.float32))
     return copy
-
-
-def save_hf_folder(model: Transformer, tokenizer, folder: Path) -> Path:
-    """model → config.json + model.safetensors (HF names, torch layout) + tokenizer.json, readable by load_pretrained."""
-    from safetensors.numpy import save_file
-
-    cfg = model.cfg
-    folder.mkdir(parents=True)
-    tensors = {
-        name: np.ascontiguousarray(value.T if transposed else value)
-        for name, (var, transposed, layer) in hf_weight_map(model).items()
-        for value in [np.asarray(var[...]) if layer is None else np.asarray(var[...][layer])]
-    }
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size,
-                "intermediate_size": cfg.intermediate_size,
-                "num_hidden_layers": cfg.num_layers,
-                "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim,
-                "rms_norm_eps": cfg.rms_norm_eps,
-                "rope_theta": cfg.rope_theta,
-                "tie_word_embeddings": False,
-            }
-        )
-    )
-    tokenizer._tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -209,3 +209,57 @@ def test_bfloat16_load_is_as_close_as_transformers_own_bfloat16(tiny):
     ref_err = np.abs(torch_bf16 - exact).max()
     assert 0 < ref_err < 0.5
     assert np.abs(ours - exact).max() <= 2 * ref_err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_saved_hf_folder_is_what_transformers_and_the_loader_read(tiny, tmp_path, arch):
+    """load_pretrained → save_hf_folder → transformers and load_pretrained again: transformers' state dict of the
+    saved folder equals the original's exactly, and so do its config's shapes, RoPE θ and tying; reloaded, the
+    ModelConfig is the same (the folder's name aside)."""
+    import dataclasses
+
+    from hydrahead_jax.models.loaders import save_hf_folder
+    from hydrahead_jax.models.pretrained import load_pretrained
+
+    folder, ref = tiny[arch]
+    model, tok = load_pretrained(folder)
+    saved = save_hf_folder(model, tok, tmp_path / "saved")
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    again = oracle.load_torch_model(saved)
+    want, got = _torch_tensors(ref), _torch_tensors(again)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+        assert getattr(again.config, key) == getattr(ref.config, key), key
+    assert again.config.rope_parameters["rope_theta"] == ref.config.rope_parameters["rope_theta"]
+    reloaded, tok2 = load_pretrained(saved)
+    assert dataclasses.replace(reloaded.cfg, name=model.cfg.name) == model.cfg
+    assert tok2.encode("hello world") == tok.encode("hello world") and tok2.eos_id == tok.eos_id
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_type="linear", factor=4.0),
+        dict(rope_type="dynamic", factor=2.0),
+        dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=16.0),
+        dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0,
+             high_freq_factor=4.0),
+        dict(rope_type="longrope", factor=4.0, original_max_position_embeddings=64, short_factor=(1.0,) * 8,
+             long_factor=tuple(1.0 + i / 8 for i in range(8))),
+    ],
+)  # fmt: skip
+def test_config_json_of_a_scaled_rope_reads_back_to_the_same_config(scaling):
+    """config_to_hf then config_from_hf (the reader every HF folder goes through) gives back the ModelConfig, for
+    every RoPE scaling type."""
+    from hydrahead_jax.config import ModelConfig, RopeScaling
+    from hydrahead_jax.models.loaders import config_from_hf, config_to_hf
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=256, rope_scaling=RopeScaling(**scaling), name="scaled",
+    )  # fmt: skip
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), "config.json") == cfg

@@ -13,6 +13,7 @@ from hydrahead_jax.data import synthetic
 from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
 from hydrahead_jax.evaluation import ruler
 from hydrahead_jax.evaluation.scoring import string_match_all, wilson_interval
+from hydrahead_jax.models.loaders import save_hf_folder
 
 
 def _corpus(seed: int = 0, sentences: int = 1500) -> str:
@@ -191,7 +192,7 @@ def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
 
     tok = inputs.tok
     model = test_eval.random_model(test_eval.tiny_cfg(tok.vocab_size), 1)
-    folder = test_eval.save_hf_folder(model, tok, tmp_path / "teacher" / "tiny")
+    folder = save_hf_folder(model, tok, tmp_path / "teacher" / "tiny")
     (tmp_path / "hay.txt").write_text(_corpus(1, 400))
     out = tmp_path / "eval"
     rc = cli.main(

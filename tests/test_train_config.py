@@ -204,11 +204,12 @@ def test_train_py_refuses_a_too_short_probe_before_any_work(tmp_path):
 
 
 def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_before_any_work(tmp_path):
-    from test_eval import random_model, save_hf_folder, tiny_cfg
+    from test_eval import random_model, tiny_cfg
 
     from hydrahead_jax.data import CorpusError, check_tokenizer
     from hydrahead_jax.data.protocol import TokenizerModelMismatchError
     from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
+    from hydrahead_jax.models.loaders import save_hf_folder
     from hydrahead_jax.training.pipeline import run_pipeline
 
     tok = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 40], vocab_size=300)
@@ -423,3 +424,71 @@ def test_a_group_at_scale_zero_is_frozen():
     assert trained and all("self_attn" in p for p in trained)  # attention and the new GDN/fusion parameters
     assert any("gdn" in p for p in trained) and any("q_proj" in p for p in trained)
     assert not any("mlp" in p or "embed_tokens" in p for p in trained)
+
+
+@pytest.mark.parametrize("train", ["new+la_qkv", "new+la_qkvo"])
+def test_la_slices_of_the_shared_projections_train_and_the_fa_groups_stay_the_teachers(train):
+    """Stage 1 with the LA groups' q/k/v (and o) slices trainable, through the real train step with AdamW and
+    weight decay (a mask on the gradient alone would let the decay move the FA slices): after three steps every
+    kept FA group's q/k/v/o entries and biases are bit-identical to the teacher's — found through the head map's
+    original group indices, not the stored order — while each LA group's entries of the trained projections moved;
+    q/k norms and everything else not in the filter are untouched. Layers of every kind: f = 2, 1, 0 and 4 of 4."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_student
+    from hydrahead_jax.hybrid.build import fa_slice_mask, trainable_filter
+    from hydrahead_jax.models import Transformer
+    from hydrahead_jax.training.steps import LossSettings, make_train_step
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
+        head_dim=8, attention_bias=True,
+    )  # fmt: skip
+    teacher = Transformer(cfg, rngs=nnx.Rngs(0))
+    head_map = HeadMap.from_fa_groups(cfg, [[0, 2], [3], [], [0, 1, 2, 3]], method="test")
+    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
+    graphdef, params, frozen = nnx.split(student, trainable_filter(train), ...)
+    tx, schedule = steps.make_optimizer(
+        lr=1e-2, warmup_steps=0, total_steps=10, weight_decay=0.1,
+        update_mask=fa_slice_mask(train, head_map.fa_counts(), cfg.num_kv_heads),
+    )  # fmt: skip
+    t_graphdef, t_state = nnx.split(teacher)
+    step = jax.jit(make_train_step(graphdef, t_graphdef, tx, LossSettings(kind="align", chunk=16), schedule))
+    params = nnx.as_pure(params)
+    state = {"params": params, "frozen": nnx.as_pure(frozen), "opt_state": tx.init(params), "step": 0}
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids = jnp.asarray(rng.integers(0, 64, (2, 32)), jnp.int32)
+        batch = {"input_ids": ids, "targets": jnp.roll(ids, -1, axis=1), "loss_mask": jnp.ones((2, 32), jnp.float32)}
+        state, _ = step(state, nnx.as_pure(t_state), batch)
+
+    before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.as_pure(nnx.state(student)))}
+    after = dict(nnx.to_flat_state(nnx.as_pure(nnx.state(student))))
+    after.update({k: v for k, v in nnx.to_flat_state(nnx.State(state["params"]))})
+    after = {k: np.asarray(v) for k, v in after.items()}
+    t_layers = nnx.as_pure(nnx.state(teacher))["layers"]["self_attn"]
+    trained = {"q_proj", "k_proj", "v_proj"} | ({"o_proj"} if train.endswith("o") else set())
+    G, D = cfg.group_size, cfg.head_dim
+    for proj, width in [("q_proj", G * D), ("k_proj", D), ("v_proj", D), ("o_proj", G * D)]:
+        for leaf in ("kernel", "bias") if proj != "o_proj" else ("kernel",):
+            path = ("layers", "self_attn", proj, leaf)
+            for layer, fa in enumerate(head_map.fa_groups):
+                order = student.group_order[layer]
+                for stored, group in enumerate(order):
+                    block = slice(stored * width, (stored + 1) * width)
+                    orig = slice(group * width, (group + 1) * width)
+                    lead = (slice(None),) * (leaf == "kernel" and proj != "o_proj")  # q/k/v kernels: columns
+                    got = after[path][layer][lead + (block,)]
+                    teacher_block = np.asarray(t_layers[proj][leaf])[layer][lead + (orig,)]
+                    if group in fa:
+                        np.testing.assert_array_equal(got, teacher_block, err_msg=f"{path} layer {layer} FA {group}")
+                    elif proj in trained:
+                        assert np.abs(got - teacher_block).max() > 1e-5, (path, layer, group)
+                    else:
+                        np.testing.assert_array_equal(got, teacher_block)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed, "nothing trained"
+    assert all(("gdn" in k or "fusion" in k or set(k) & trained) for k in changed), changed
+    assert not any("q_norm" in k or "k_norm" in k or "mlp" in k for k in changed)

@@ -31,6 +31,11 @@ class TokenizersAdapter:
         self.eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer`` (the name ``models.tokenizer.Tokenizer`` gives it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

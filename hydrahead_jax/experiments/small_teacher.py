@@ -223,6 +223,7 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
     from flax import nnx
 
     from hydrahead_jax.models import Transformer
+    from hydrahead_jax.models.loaders import save_hf_folder
 
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = recipe.model_config(tokenizer.vocab_size)
@@ -271,7 +272,7 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
     cpu = time.process_time() - cpu0 if t0 is not None else 0.0
     timed = step - first if t0 is not None else 0
     tokens = timed * recipe.batch_size * recipe.seq_len
-    export_hf(nnx.merge(graphdef, params, rest), tokenizer, workdir / "hf")
+    save_hf_folder(nnx.merge(graphdef, params, rest), tokenizer, workdir / "hf")
     return {
         "steps": step - start_step,
         "timed_steps": timed,
@@ -283,52 +284,6 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
         "cpu_seconds": round(cpu, 1),
         "tokens_per_cpu_second": round(tokens / cpu, 1) if cpu > 0 and timed else None,
     }
-
-
-def export_hf(model, tokenizer, folder: Path) -> Path:
-    """``model`` as a Hugging Face Llama folder the product's loader reads (written under a temporary name)."""
-    import shutil
-
-    from safetensors.numpy import save_file
-
-    from hydrahead_jax.models.transformer import hf_weight_map
-
-    cfg = model.cfg
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {}
-    for name, (var, transposed, layer) in hf_weight_map(model).items():
-        value = np.asarray(var[...] if layer is None else var[...][layer])  # a layer tensor: its slice of the stack
-        tensors[name] = np.ascontiguousarray(value.T if transposed else value, np.float32)
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "_name_or_path": cfg.name,
-                "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size,
-                "intermediate_size": cfg.intermediate_size,
-                "num_hidden_layers": cfg.num_layers,
-                "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim,
-                "rms_norm_eps": cfg.rms_norm_eps,
-                "rope_theta": cfg.rope_theta,
-                "max_position_embeddings": cfg.max_position_embeddings,
-                "tie_word_embeddings": cfg.tie_word_embeddings,
-                "hidden_act": "silu",
-                "eos_token_id": tokenizer.eos_id,
-            },
-            indent=1,
-        )
-    )
-    tokenizer.backend.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
 
 
 def ablated_teacher(folder: Path, groups: list[tuple[int, int]]):

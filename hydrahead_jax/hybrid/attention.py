@@ -364,28 +364,36 @@ def group_columns(order: tuple[int, ...], heads_per_group: int, head_dim: int) -
     return np.concatenate([np.arange(g * width, (g + 1) * width) for g in order])
 
 
+# The layer-stacked projection parameters (leading axis L) whose entries lie group-major along one axis, with each
+# layer's KV groups in its stored order (FA groups first): {path under a layer: (that axis, "q" when it holds the
+# group's query heads, "kv" when its one KV head)} — q/k/v columns and biases, o_proj rows.
+GROUPED_PARAMS = {
+    ("self_attn", "q_proj", "kernel"): (2, "q"),
+    ("self_attn", "q_proj", "bias"): (1, "q"),
+    ("self_attn", "k_proj", "kernel"): (2, "kv"),
+    ("self_attn", "k_proj", "bias"): (1, "kv"),
+    ("self_attn", "v_proj", "kernel"): (2, "kv"),
+    ("self_attn", "v_proj", "bias"): (1, "kv"),
+    ("self_attn", "o_proj", "kernel"): (1, "q"),
+}
+
+
 def permute_groups(layers_state: nnx.State, cfg: ModelConfig, orders) -> nnx.State:
     """Layer-stacked parameters (``Transformer.layers``' state, leading axis L) with layer l's KV groups in
     ``orders[l]``: stored group j = original group orders[l][j] in the q/k/v kernels' columns and biases and in
     o_proj's rows, each group's query heads with it. Exact (a permutation of the heads, and the sum over heads in
     o_proj is over the same terms); q/k norms act per dimension and stay."""
-    q_idx = np.stack([group_columns(o, cfg.group_size, cfg.head_dim) for o in orders])  # [L, Hq·D]
-    kv_idx = np.stack([group_columns(o, 1, cfg.head_dim) for o in orders])  # [L, Hkv·D]
-    axis_of = {
-        ("self_attn", "q_proj", "kernel"): (q_idx, 2),
-        ("self_attn", "q_proj", "bias"): (q_idx, 1),
-        ("self_attn", "k_proj", "kernel"): (kv_idx, 2),
-        ("self_attn", "k_proj", "bias"): (kv_idx, 1),
-        ("self_attn", "v_proj", "kernel"): (kv_idx, 2),
-        ("self_attn", "v_proj", "bias"): (kv_idx, 1),
-        ("self_attn", "o_proj", "kernel"): (q_idx, 1),
+    index = {
+        "q": np.stack([group_columns(o, cfg.group_size, cfg.head_dim) for o in orders]),  # [L, Hq·D]
+        "kv": np.stack([group_columns(o, 1, cfg.head_dim) for o in orders]),  # [L, Hkv·D]
     }
 
     def permute(path, a):
         key = tuple(str(p) for p in path)
-        if key not in axis_of:
+        if key not in GROUPED_PARAMS:
             return a
-        idx, axis = axis_of[key]
+        axis, heads = GROUPED_PARAMS[key]
+        idx = index[heads]
         shape = [idx.shape[0]] + [1] * (a.ndim - 1)
         shape[axis] = idx.shape[1]
         return jnp.take_along_axis(a, jnp.asarray(idx.reshape(shape)), axis=axis)

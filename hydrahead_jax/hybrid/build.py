@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
-from hydrahead_jax.hybrid.attention import HydraHeadAttention, group_order, permute_groups
+from hydrahead_jax.hybrid.attention import GROUPED_PARAMS, HydraHeadAttention, group_order, permute_groups
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.fusion import calibrate_fusion
 from hydrahead_jax.hybrid.gdn_init import calibrate_gdn
@@ -19,7 +20,21 @@ from hydrahead_jax.models.transformer import Transformer
 new_param_filter = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("gdn"), nnx.PathContains("fusion")))
 
 PARAM_GROUPS = ("new", "attention", "other")  # the groups of per-group learning rates (StageConfig.lr_scale_*)
-TRAIN_FILTERS = {"new": new_param_filter, "all": nnx.Param}  # StageConfig.train -> the parameters it may train
+
+
+def _projections(*names: str):
+    return nnx.All(nnx.Param, nnx.PathContains("self_attn"), nnx.Any(*(nnx.PathContains(n) for n in names)))
+
+
+# StageConfig.train -> the parameters it may train. "new+la_qkv" adds the copied q/k/v projections (kernels and
+# biases) and "new+la_qkvo" o_proj too, their updates restricted to the LA groups' slices by ``fa_slice_mask``: the
+# kept FA groups read the same matrices and stay the teacher's exactly.
+TRAIN_FILTERS = {
+    "new": new_param_filter,
+    "all": nnx.Param,
+    "new+la_qkv": nnx.Any(new_param_filter, _projections("q_proj", "k_proj", "v_proj")),
+    "new+la_qkvo": nnx.Any(new_param_filter, _projections("q_proj", "k_proj", "v_proj", "o_proj")),
+}
 
 
 def param_group(path) -> str:
@@ -42,6 +57,37 @@ def trainable_filter(train: str, lr_scales: dict[str, float] | None = None):
     return nnx.All(base, lambda path, _: param_group(path) not in frozen)
 
 
+def fa_slice_mask(train: str, layer_fa: tuple[int, ...], num_kv_heads: int):
+    """The update mask of a ``train`` choice that trains the LA groups' slices of shared projections
+    (``"new+la_qkv"``, ``"new+la_qkvo"``), else None.
+
+    Returns ``mask(path, shape)``: for a stacked projection parameter of shape [L, ...] (``GROUPED_PARAMS``) a 0/1
+    float32 array broadcastable to it, 0 on layer l's first ``layer_fa[l]`` KV groups along the group axis (its FA
+    groups, stored first) and 1 on the rest; None for every other parameter (trained whole). An all-FA layer's
+    projections are then frozen, an all-LA layer's trained whole."""
+    if not train.startswith("new+la_"):
+        return None
+    layer_fa = tuple(int(f) for f in layer_fa)
+
+    def mask(path, shape):
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        if names[-3:] not in GROUPED_PARAMS:
+            return None
+        axis = GROUPED_PARAMS[names[-3:]][0]
+        if shape[0] != len(layer_fa) or shape[axis] % num_kv_heads:
+            raise ValueError(
+                f"{'/'.join(names)} has shape {tuple(shape)}: expected {len(layer_fa)} stacked layers and an axis "
+                f"{axis} of {num_kv_heads} KV groups."
+            )
+        width = shape[axis] // num_kv_heads
+        trained = np.arange(shape[axis])[None, :] >= np.asarray(layer_fa)[:, None] * width  # [L, groups·width]
+        out = [1] * len(shape)
+        out[0], out[axis] = shape[0], shape[axis]
+        return trained.astype(np.float32).reshape(out)
+
+    return mask
+
+
 def build_model(
     cfg: ModelConfig, head_map: HeadMap, hybrid_cfg: HybridConfig | None = None, rngs: nnx.Rngs | None = None
 ) -> Transformer:
@@ -52,7 +98,7 @@ def build_model(
     hybrid_cfg = HybridConfig() if hybrid_cfg is None else hybrid_cfg
     head_map.validate(cfg)
     rngs = nnx.Rngs(0) if rngs is None else rngs
-    counts = tuple(len(groups) for groups in head_map.fa_groups)
+    counts = head_map.fa_counts()
 
     def factory(i: int, r: nnx.Rngs) -> HydraHeadAttention:
         return HydraHeadAttention(

@@ -234,8 +234,12 @@ class HeadMap:
     def num_layers(self) -> int:
         return len(self.fa_groups)
 
+    def fa_counts(self) -> tuple[int, ...]:
+        """Each layer's number of FA groups (a student layer's kind, ``Transformer.layer_kinds``)."""
+        return tuple(len(layer) for layer in self.fa_groups)
+
     def num_fa_groups(self) -> int:
-        return sum(len(layer) for layer in self.fa_groups)
+        return sum(self.fa_counts())
 
     def kv_bytes_ratio(self) -> float:
         """KV-cache bytes per token of the hybrid relative to the teacher: FA groups / all groups."""

@@ -6,6 +6,7 @@ Both readers return tensors under Hugging Face names in torch layout (linear wei
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -441,6 +442,72 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         raise CheckpointError(f"{path}: config.json lacks the required field {e.args[0]!r}.") from e
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from e
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json of ``cfg`` that ``config_from_hf`` reads back to the same ModelConfig (transformers reads it
+    too): architecture, shapes, RoPE (``rope_scaling`` in transformers' keys), norms, tied embeddings."""
+    if cfg.rope_interleaved:
+        raise ValueError(
+            f"{cfg.name}: interleaved RoPE (a GGUF layout) has no Hugging Face form; HF checkpoints rotate half-split."
+        )
+    arch = {family: name for name, family in HF_ARCHITECTURES.items()}[cfg.architecture]
+    hf = {
+        "architectures": [arch],
+        "model_type": cfg.architecture,  # transformers' name of the family: llama, qwen2, qwen3
+        "_name_or_path": cfg.name,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+    }
+    if cfg.architecture == "qwen3":
+        hf["attention_bias"] = cfg.attention_bias
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        defaults = {f.name: f.default for f in dataclasses.fields(RopeScaling)}
+        spec = {"rope_type": rs.rope_type, "factor": rs.factor}
+        spec.update({k: getattr(rs, k) for k in _HF_ROPE_KEYS if getattr(rs, k) not in (None, defaults[k])})
+        if rs.rope_type in ("linear", "dynamic"):
+            spec.pop("original_max_position_embeddings", None)  # they take the model's max_position_embeddings
+        hf["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
+    return hf
+
+
+def save_hf_folder(model, tokenizer, folder: str | os.PathLike) -> Path:
+    """A teacher ``Transformer`` and its tokenizer as a Hugging Face folder that ``load_pretrained`` (and
+    transformers) read: config.json (``config_to_hf``), model.safetensors (float32, ``hf_state_dict``),
+    tokenizer.json + tokenizer_config.json. Written under a temporary name and renamed: the folder is whole or
+    absent."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from hydrahead_jax.models.transformer import hf_state_dict
+
+    folder = Path(folder)
+    hf = config_to_hf(model.cfg)
+    if tokenizer.eos_id is not None:
+        hf["eos_token_id"] = int(tokenizer.eos_id)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf_state_dict(model), str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    tokenizer.backend.save(str(tmp / "tokenizer.json"))
+    eos = tokenizer.backend.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos} if eos else {}))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:

@@ -428,6 +428,16 @@ def hf_weight_map(model: Transformer) -> dict[str, tuple[nnx.Variable, bool, int
     return table
 
 
+def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's weights as Hugging Face tensors (HF names and layouts, float32; each layer tensor its slice of
+    the stacked parameter): the inverse of ``load_hf_weights``."""
+    out = {}
+    for name, (var, transposed, layer) in hf_weight_map(model).items():
+        value = np.asarray(var[...] if layer is None else var[...][layer], np.float32)
+        out[name] = np.ascontiguousarray(value.T if transposed else value)
+    return out
+
+
 def load_hf_weights(model: Transformer, tensors: dict[str, np.ndarray], *, source: str = "checkpoint") -> None:
     """Copy HF-named tensors into ``model`` (a teacher) in place; every expected tensor must be present with the
     right shape. Layer tensors fill their slice of the stacked parameters."""

@@ -165,7 +165,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
 
     from hydrahead_jax.data.rows import FEATURES
     from hydrahead_jax.hybrid import build_model
-    from hydrahead_jax.hybrid.build import trainable_filter
+    from hydrahead_jax.hybrid.build import fa_slice_mask, trainable_filter
     from hydrahead_jax.models import Transformer
     from hydrahead_jax.run_config import STAGES
     from hydrahead_jax.training import sharding as shd
@@ -188,7 +188,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
         loss, step_settings = stage_settings(scfg, stage.loss, data_parallel, run.data.mask_documents)
     except ValueError as error:
         raise ValueError(f"config.{key}: {error}") from None
-    tx, schedule = stage_optimizer(scfg, total_steps=1000)
+    tx, schedule = stage_optimizer(scfg, 1000, fa_slice_mask(scfg.train, head_map.fa_counts(), cfg.num_kv_heads))
     graphdef, abstract_student = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(0))))
     trainable = trainable_filter(scfg.train, scfg.lr_scales)
     layout = stage_layout(graphdef, abstract_student, trainable, tx, mesh, step_settings)

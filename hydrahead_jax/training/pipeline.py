@@ -19,7 +19,7 @@ from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
 from hydrahead_jax.hybrid import HeadMap, build_model, build_student
-from hydrahead_jax.hybrid.build import trainable_filter
+from hydrahead_jax.hybrid.build import fa_slice_mask, trainable_filter
 from hydrahead_jax.run_config import (
     PROBE_METHODS,
     SELECT,
@@ -345,6 +345,7 @@ def _run_locked(
             config=scfg,
             directory=stage_dir,
             trainable=trainable_filter(scfg.train, scfg.lr_scales),
+            update_mask=fa_slice_mask(scfg.train, head_map.fa_counts(), cfg.num_kv_heads),
             make_iterator=iterator_factory(stage, run.seed + 1000 * (index + 1)),
             meta={"stage": stage.name, "config_hash": digest, "config": resolved},
             mask_documents=run.data.mask_documents,

@@ -407,6 +407,21 @@ def scale_by_param_group(scales: dict[str, float]) -> optax.GradientTransformati
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def mask_updates(mask) -> optax.GradientTransformation:
+    """u ⊙ mask(path, u.shape) for the parameters the mask covers (``hybrid.build.fa_slice_mask``: 0 on a slice
+    that stays fixed), the rest unchanged."""
+
+    def apply(path, u):
+        m = mask(path, u.shape)
+        return u if m is None else u * jnp.asarray(m, u.dtype)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(apply, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(
     *,
     lr: float,
@@ -418,10 +433,13 @@ def make_optimizer(
     b2: float = 0.95,
     warmup_start_ratio: float = 0.0,
     lr_scales: dict[str, float] | None = None,
+    update_mask=None,
 ):
     """AdamW on a warmup (linear from lr·warmup_start_ratio) + cosine schedule to lr·end_lr_ratio, after
     global-norm clipping; with ``lr_scales`` ({group: scale}, ``PARAM_GROUPS``) each parameter group's updates are
-    scaled, a per-group learning rate.
+    scaled, a per-group learning rate. ``update_mask`` (``mask_updates``) zeroes the gradient of the slices it
+    masks before the clipping (they count in neither the global norm nor Adam's moments) and their final update
+    (AdamW's decoupled weight decay −lr·wd·θ would move them otherwise): those entries stay exactly as they are.
 
     Returns (tx, schedule); the schedule is the base lr (a group's is scale × it)."""
     warmup = max(0, min(int(warmup_steps), int(total_steps) - 1))
@@ -432,15 +450,20 @@ def make_optimizer(
         decay_steps=max(int(total_steps), warmup + 1),
         end_value=lr * end_lr_ratio,
     )
-    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm and clip_norm > 0 else []
+    parts = [mask_updates(update_mask)] if update_mask is not None else []
+    if clip_norm and clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(clip_norm))
     parts.append(optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
     if lr_scales is not None and any(lr_scales[g] != 1.0 for g in PARAM_GROUPS):
         parts.append(scale_by_param_group(lr_scales))
+    if update_mask is not None:
+        parts.append(mask_updates(update_mask))
     return optax.chain(*parts), schedule
 
 
-def stage_optimizer(stage_cfg, total_steps: int):
-    """``make_optimizer`` with one stage's typed config. Returns (tx, schedule)."""
+def stage_optimizer(stage_cfg, total_steps: int, update_mask=None):
+    """``make_optimizer`` with one stage's typed config (and the update mask of its ``train`` choice,
+    ``hybrid.build.fa_slice_mask``). Returns (tx, schedule)."""
     return make_optimizer(
         lr=stage_cfg.lr,
         warmup_steps=stage_cfg.warmup,
@@ -450,6 +473,7 @@ def stage_optimizer(stage_cfg, total_steps: int):
         clip_norm=stage_cfg.clip_norm,
         warmup_start_ratio=stage_cfg.warmup_start_ratio,
         lr_scales=stage_cfg.lr_scales,
+        update_mask=update_mask,
     )
 
 

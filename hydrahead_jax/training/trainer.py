@@ -55,6 +55,7 @@ class StageSpec:
     # The stage's fixed held-out batch, whole ([rows, seq_len] per feature, the same on every process:
     # ``training.data.make_heldout_batch``), or None: no held-out evaluation.
     heldout: dict[str, np.ndarray] | None = None
+    update_mask: Any = None  # the slices of the trained parameters that stay fixed (hybrid.build.fa_slice_mask)
 
 
 class Preempted(RuntimeError):
@@ -273,7 +274,7 @@ def _train(
         raise ValueError(f"config.{key}: {error}") from None
     if settings.needs_teacher and teacher is None:
         raise ValueError(f"stage {key} ({spec.stage.name}) needs the teacher.")
-    tx, schedule = stage_optimizer(scfg, steps)
+    tx, schedule = stage_optimizer(scfg, steps, spec.update_mask)
 
     # Structure, dtypes and shardings of the trained (master) / frozen halves and of the optimizer state.
     layout = stage_layout(student_graphdef, abstract_student, spec.trainable, tx, mesh, step_settings)
