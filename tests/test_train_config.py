@@ -65,7 +65,10 @@ def test_recipe_values_survive_the_conversion_unchanged():
             lambda c: setattr(c.stage2, "lr", -1.0),
             "config.stage2.lr=-1.0: must be a finite number > 0. Fix: --config.stage2.lr=1e-4.",
         ),
-        (lambda c: setattr(c.stage1, "train", "some"), "config.stage1.train='some': choose one of ('new', 'all')"),
+        (
+            lambda c: setattr(c.stage1, "train", "some"),
+            "config.stage1.train='some': choose one of ('new', 'all', 'new+la_qkv', 'new+la_qkvo')",
+        ),
         (lambda c: setattr(c.mesh, "fsdp", 0), "config.mesh.fsdp=0: must be -1 (fill) or >= 1"),
         (lambda c: setattr(c.data, "txt_split", "lines"), "config.data.txt_split='lines'"),
         (lambda c: setattr(c.hybrid, "gdn_chunk_size", 24), "config.hybrid: HybridConfig.gdn_chunk_size=24"),
