@@ -72,6 +72,8 @@ def fa_slice_mask(train: str, layer_fa: tuple[int, ...], num_kv_heads: int):
     def mask(path, shape):
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         if names[-3:] not in GROUPED_PARAMS:
+            if {"q_proj", "k_proj", "v_proj", "o_proj"} & set(names):  # a path form this table does not know
+                raise ValueError(f"fa_slice_mask: {'/'.join(names)} is a projection of no known layout.")
             return None
         axis = GROUPED_PARAMS[names[-3:]][0]
         if shape[0] != len(layer_fa) or shape[axis] % num_kv_heads:
