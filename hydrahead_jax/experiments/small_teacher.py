@@ -111,7 +111,7 @@ def train_tokenizer(texts: list[str], recipe: TeacherRecipe, out: Path):
     from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
 
     adapter = train_bpe_tokenizer(texts, vocab_size=recipe.vocab_size, name="reproduction-bpe")
-    backend = adapter._tok  # the tokenizers.Tokenizer it wraps
+    backend = adapter.backend
     backend.add_special_tokens([AddedToken(t, normalized=False) for t in recipe.symbols.tokens()])
     out.mkdir(parents=True, exist_ok=True)
     backend.save(str(out / "tokenizer.json"))

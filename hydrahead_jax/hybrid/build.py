@@ -37,11 +37,16 @@ TRAIN_FILTERS = {
 }
 
 
+def path_names(path) -> tuple[str, ...]:
+    """The names along a parameter's path (a jax key path or a tuple of names)."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
 def param_group(path) -> str:
     """The parameter group of a parameter's path (a jax key path or a tuple of names): "new" (the GDN heads and
     fusion, as ``new_param_filter``), "attention" (the copied attention weights under ``self_attn``: q/k/v/o and
     the q/k norms), "other" (embeddings, MLPs, layer norms, lm_head)."""
-    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    names = path_names(path)
     if "gdn" in names or "fusion" in names:
         return "new"
     return "attention" if "self_attn" in names else "other"
@@ -70,9 +75,9 @@ def fa_slice_mask(train: str, layer_fa: tuple[int, ...], num_kv_heads: int):
     layer_fa = tuple(int(f) for f in layer_fa)
 
     def mask(path, shape):
-        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        names = path_names(path)
         if names[-3:] not in GROUPED_PARAMS:
-            if {"q_proj", "k_proj", "v_proj", "o_proj"} & set(names):  # a path form this table does not know
+            if {key[1] for key in GROUPED_PARAMS} & set(names):  # a projection in a path form the table lacks
                 raise ValueError(f"fa_slice_mask: {'/'.join(names)} is a projection of no known layout.")
             return None
         axis = GROUPED_PARAMS[names[-3:]][0]
