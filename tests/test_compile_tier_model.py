@@ -10,6 +10,7 @@ failure, so the passing case proves the wrapping, not a lenient compiler.
 """
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,12 @@ import pytest
 from flax import nnx
 from train_helpers import tiny_config, tiny_models
 
+from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, gdn
 from hydrahead_jax.hybrid import attention as hybrid_attention
-from hydrahead_jax.hybrid import build_model, gdn
+from hydrahead_jax.models import Transformer
 from hydrahead_jax.models import attention as teacher_attention
+from hydrahead_jax.models.attention import TOKEN_CACHE_KEYS
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.steps import LossSettings, compute_loss, make_optimizer, make_train_step
 from pallas_kernels.cross_compile import compile_for_tpu, format_tpu_table, tpu_mesh
@@ -145,3 +149,53 @@ def test_control_kernels_outside_shard_map_do_not_compile(monkeypatch):
     assert hybrid_attention.Attention is teacher_attention.Attention
     with pytest.raises(Exception, match="cannot be automatically partitioned"):
         compile_tiny_train_step({"data": 8, "fsdp": 1, "tensor": 1}, 8)
+
+
+def _stack_copies(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """The copy instructions of compiled HLO text whose result has one of ``shapes`` (whole cache stacks)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\]\S* copy(?:-start)?\(", line)
+        if m and tuple(int(d) for d in m.group(1).split(",")) in shapes:
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("student", [False, True], ids=["teacher", "student"])
+def test_decode_step_for_a_tpu_chip_copies_no_cache_stack(student):
+    """The jitted decode step (cache donated) of a 3-layer model with head dim 128 compiled for one v5e chip: the
+    layers' k/v stacks are updated in place, never copied whole. The student has three layer kinds (FA counts 1,
+    0, 2: the scan's body is a switch over them). A copy of a whole [L, B, S, …] stack is what a cache write that is
+    not in place, or a layout the loop forces on the stacks, shows up as; SmolLM2's head dim 64 gets such a relayout
+    around the loop (bench/RESULTS.md, "The decode fix"), so this guards head dims of 128 and up."""
+    c = tiny_config()
+    c.teacher.model.head_dim = 128
+    c.teacher.model.num_layers = 3
+    cfg = ModelConfig.from_dict(dict(c.teacher.model))
+    hybrid = HybridConfig.from_dict(dict(c.hybrid))
+    if student:
+        head_map = HeadMap.from_fa_groups(cfg, [[0], [], [0, 1]], method="test")
+        make = lambda: build_model(cfg, head_map, hybrid.replace(gdn_implementation="xla"), nnx.Rngs(0))  # noqa: E731
+    else:
+        make = lambda: Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla")  # noqa: E731
+    model = nnx.eval_shape(make)
+    gd, state = nnx.split(model)
+    context = 512
+    cache = jax.eval_shape(lambda: model.init_cache(1, context))
+    kinds = len(cache["layers"])
+    assert kinds == (3 if student else 1)
+    sharding = jax.sharding.NamedSharding(tpu_mesh(SLICE), jax.sharding.PartitionSpec())
+    placed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)  # noqa: E731
+
+    def decode_step(state, token, cache):
+        logits, cache = nnx.merge(gd, state)(token[:, None], cache=cache)
+        return logits[:, -1], cache
+
+    token = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sharding)
+    compiled = jax.jit(decode_step, donate_argnums=(2,)).lower(placed(state), token, placed(cache)).compile()
+    # The token-indexed stacks (k, v: [L_kind, B, S, g, d], what grows with the context). The constant-size conv
+    # states ([L_kind, B, 3, C], a few KiB) do get relaid around the loop (T(1,128) tiles outside, T(4,128) in it).
+    stacks = {a.shape for layer in cache["layers"] for name, a in layer.items() if name in TOKEN_CACHE_KEYS}
+    assert len(stacks) == (2 if student else 1) and all(s[2] == context for s in stacks), stacks
+    copies = _stack_copies(compiled.as_text(), stacks)
+    assert copies == [], "\n".join(copies)

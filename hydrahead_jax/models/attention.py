@@ -29,6 +29,9 @@ from hydrahead_jax.models.layers import RMSNorm, apply_rope, dense
 from pallas_kernels.flash_attention import flash_attention
 
 LayerCache = dict[str, Any]
+# The entries of a layer cache indexed by token along axis 1 ([B, S, …]: the FA groups' keys and values); every
+# other entry is a constant-size state that each call replaces whole.
+TOKEN_CACHE_KEYS = ("k", "v")
 
 
 def dense_attention(

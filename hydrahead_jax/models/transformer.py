@@ -30,7 +30,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.context_parallel.layout import MODEL_LAYOUT, chunks_per_shard, from_layout, to_layout
-from hydrahead_jax.models.attention import Attention, HeadProbe
+from hydrahead_jax.models.attention import TOKEN_CACHE_KEYS, Attention, HeadProbe, LayerCache
 from hydrahead_jax.models.hf_layout import hf_tensors
 from hydrahead_jax.models.kernel_sharding import sequence_axes
 from hydrahead_jax.models.layers import MLP, RMSNorm, param_init
@@ -187,6 +187,40 @@ def layer_slots(kinds: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(slots)
 
 
+def cache_writes(new: LayerCache, index: jax.Array, tokens: int) -> LayerCache:
+    """What a call of ``tokens`` tokens at cache position ``index`` changed in a layer's cache: the new tokens'
+    entries [B, tokens, …] of the token-indexed entries (``TOKEN_CACHE_KEYS``, axis 1), every other entry (the
+    linear attention's constant-size state) whole."""
+    return {
+        name: jax.lax.dynamic_slice_in_dim(a, index, tokens, 1) if name in TOKEN_CACHE_KEYS else a
+        for name, a in new.items()
+    }
+
+
+def no_writes(stack: LayerCache, tokens: int) -> LayerCache:
+    """Zeros shaped as ``cache_writes`` of one layer of ``stack`` [L_kind, …] (what a branch of another kind
+    returns for it: ``write_layer_cache`` keeps the stack's values there)."""
+    shape = lambda name, a: (a.shape[1], tokens, *a.shape[3:]) if name in TOKEN_CACHE_KEYS else a.shape[1:]  # noqa: E731
+    return {name: jnp.zeros(shape(name, a), a.dtype) for name, a in stack.items()}
+
+
+def write_layer_cache(
+    stack: LayerCache, writes: LayerCache, slot: jax.Array, index: jax.Array, own: jax.Array
+) -> LayerCache:
+    """``stack`` [L_kind, …] with layer ``slot``'s ``writes`` (``cache_writes``) put in place where ``own`` (a
+    traced bool: the layer is of this stack's kind), the stack unchanged where not. Only the written region is
+    read and written (dynamic_update_slice in place), never a whole layer's cache."""
+    out = {}
+    for name, a in stack.items():
+        w = writes[name].astype(a.dtype)
+        rest = a.ndim - (3 if name in TOKEN_CACHE_KEYS else 1)
+        start = (slot, 0, index) if name in TOKEN_CACHE_KEYS else (slot,)
+        start = tuple(jnp.asarray(i, jnp.int32) for i in (*start, *(0,) * rest))
+        kept = jax.lax.dynamic_slice(a, start, (1, *w.shape))[0]
+        out[name] = jax.lax.dynamic_update_slice(a, jnp.where(own, w, kept)[None], start)
+    return out
+
+
 class Transformer(nnx.Module):
     """Decoder LM. ``attention_factory(layer_index, rngs)`` builds each layer's attention (default: teacher FA);
     every layer's attention must have the same structure (they are stacked into ``layers``), and
@@ -259,31 +293,67 @@ class Transformer(nnx.Module):
         take = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]  # noqa: E731
         return nnx.merge(graphdef, jax.tree.map(take, state))
 
-    def scan_layers(self, fn: Callable, carry, xs=None, *, remat: bool = False):
+    def scan_layers(
+        self, fn: Callable, carry, xs=None, *, remat: bool = False, cache=None, cache_index=None, cache_tokens=None
+    ):
         """(carry, ys) of ``carry, y_l = fn(block_l, kind_l, carry, xs_l, slot_l)`` over the layers l = 0 … L−1, as
         one ``lax.scan`` whose body switches over the distinct kinds (``kind_l`` is static inside ``fn``: each
         kind is traced and compiled once). ``slot_l``: layer l's index among the layers of its kind (traced).
         xs: a pytree with a leading layer axis, or None. ``remat``: the body is rematerialised in the backward pass
-        (``jax.checkpoint``), so only each layer's carry and xs are kept between forward and backward."""
+        (``jax.checkpoint``), so only each layer's carry and xs are kept between forward and backward.
+
+        With ``cache`` (the per-kind stacks of ``init_cache``'s "layers"), filled with ``cache_tokens`` tokens at
+        ``cache_index`` by every layer, ``fn`` also
+        receives layer l's cache and returns its new one: ``carry, y_l, cache_l' = fn(..., slot_l, cache_l)``;
+        the result is ((carry, cache'), ys). The stacks are operands of the switch, never its results: only what
+        a layer changed (``cache_writes``) leaves its branch and is written into the stacks after it, because a
+        switch that returned the stacks would copy every stack at every layer."""
         graphdef, state = nnx.split(self.layers)
         kinds = self.kinds
         branch_of = {k: j for j, k in enumerate(kinds)}
 
+        def branch_fn(kind):
+            j = branch_of[kind]
+
+            def run(c, s, xl, ls, stacks):
+                block = nnx.merge(graphdef, ls)
+                if stacks is None:
+                    return fn(block, kind, c, xl, s)
+                mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, s, keepdims=False), stacks[j])
+                c, y, new = fn(block, kind, c, xl, s, mine)
+                writes = tuple(
+                    cache_writes(new, cache_index, cache_tokens) if i == j else no_writes(stack, cache_tokens)
+                    for i, stack in enumerate(stacks)
+                )
+                return c, y, writes
+
+            return run
+
         def body(carry, step):
             layer_state, branch, slot, x = step
-            branches = [
-                functools.partial(lambda kind, c, s, xl, ls: fn(nnx.merge(graphdef, ls), kind, c, xl, s), kind)
-                for kind in kinds
-            ]
+            stacks = None
+            if cache is not None:
+                carry, stacks = carry
+            branches = [branch_fn(kind) for kind in kinds]
             if len(branches) == 1:
-                return branches[0](carry, slot, x, layer_state)
-            return jax.lax.switch(branch, branches, carry, slot, x, layer_state)
+                out = branches[0](carry, slot, x, layer_state, stacks)
+            else:
+                out = jax.lax.switch(branch, branches, carry, slot, x, layer_state, stacks)
+            if stacks is None:
+                return out
+            carry, y, writes = out
+            stacks = tuple(
+                write_layer_cache(stack, w, jnp.where(branch == i, slot, 0), cache_index, branch == i)
+                for i, (stack, w) in enumerate(zip(stacks, writes, strict=True))
+            )
+            return (carry, stacks), y
 
         if remat:
             body = jax.checkpoint(body)
         branch = jnp.asarray([branch_of[k] for k in self.layer_kinds], jnp.int32)
         slots = jnp.asarray(layer_slots(self.layer_kinds), jnp.int32)
-        return jax.lax.scan(body, carry, (state, branch, slots, xs))
+        init = carry if cache is None else (carry, tuple(cache))
+        return jax.lax.scan(body, init, (state, branch, slots, xs))
 
     def hidden_states(
         self,
@@ -353,27 +423,19 @@ class Transformer(nnx.Module):
             segment_ids = None if segment_ids is None else to_model_order(end_pad(segment_ids), n)
         h = constrain_tokens(self.embed_tokens(input_ids)) if n > 1 else self.embed_tokens(input_ids)
         record = intermediates is not None
-        kinds = self.kinds
 
-        def run_layer(block, kind, carry, _, slot):
-            h, layers_cache = carry
+        def run_layer(block, kind, h, _, slot, mine=None):
             seen: dict | None = {} if record else None
-            if layers_cache is None:
-                h, _ = block(h, positions, intermediates=seen, segment_ids=segment_ids, kind=kind)
-            else:
-                j = kinds.index(kind)
-                mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), layers_cache[j])
-                h, mine = block(h, positions, mine, cache_index, seen, segment_ids=segment_ids, kind=kind)
-                written = jax.tree.map(
-                    lambda a, new: jax.lax.dynamic_update_index_in_dim(a, new.astype(a.dtype), slot, 0),
-                    layers_cache[j],
-                    mine,
-                )
-                layers_cache = (*layers_cache[:j], written, *layers_cache[j + 1 :])
-            return (h, layers_cache), (seen["attn_inputs"], seen["attn_outputs"]) if record else None
+            h, mine = block(h, positions, mine, cache_index, seen, segment_ids=segment_ids, kind=kind)
+            recorded = (seen["attn_inputs"], seen["attn_outputs"]) if record else None
+            return (h, recorded) if cache is None else (h, recorded, mine)
 
-        layers_cache = None if cache is None else tuple(cache["layers"])
-        (h, layers_cache), recorded = self.scan_layers(run_layer, (h, layers_cache), remat=remat)
+        if cache is None:
+            h, recorded = self.scan_layers(run_layer, h, remat=remat)
+        else:
+            (h, layers_cache), recorded = self.scan_layers(
+                run_layer, h, cache=cache["layers"], cache_index=cache_index, cache_tokens=t
+            )
         h = self.norm(h)
         if n > 1:
             natural = lambda x, axis=1: jax.lax.slice_in_dim(from_model_order(x, n, axis), 0, t, axis=axis)  # noqa: E731
@@ -387,7 +449,11 @@ class Transformer(nnx.Module):
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """h [..., d] → logits [..., V] in float32."""
         if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(h).astype(jnp.float32)
+            # h·Eᵀ as a contraction over E's feature axis: ``jnp.dot(h, E.T)`` (nnx.Embed.attend) makes XLA's CPU
+            # backend write a transposed copy of the whole [V,d] table at every call.
+            dtype = self.cfg.jnp_dtype
+            table = self.embed_tokens.embedding[...].astype(dtype)
+            return jnp.einsum("...d,vd->...v", h.astype(dtype), table).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(
