@@ -26,8 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-if "--code" in sys.argv:  # another checkout's hydrahead_jax first (must precede every hydrahead_jax import)
-    sys.path.insert(0, sys.argv[sys.argv.index("--code") + 1])
+if "--code" in sys.argv:  # another checkout's hydrahead_jax, imported before anything else can import ours
+    _CODE = Path(sys.argv[sys.argv.index("--code") + 1]).resolve()
+    sys.path.insert(0, str(_CODE))
+    import hydrahead_jax
+
+    # The benchmark helpers below put this checkout first on sys.path when imported; the package is bound now.
+    if not Path(hydrahead_jax.__file__).resolve().is_relative_to(_CODE):
+        sys.exit(f"--code {_CODE}: imported {hydrahead_jax.__file__} instead; is {_CODE}/hydrahead_jax a checkout?")
 else:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
