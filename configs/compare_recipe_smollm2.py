@@ -16,6 +16,7 @@ from lr 0, one learning rate per stage, synthetic rows with loss on their answer
     qk_map            identity-initialised per-head maps on the LA heads' q and k, trained in stage 1
     la_qkv            stage 1 also trains the LA groups' slices of the copied q/k/v at 0.1 · lr (the FA groups'
                       slices stay the teacher's; train="new+la_qkv")
+    head_targets      stage 1 holds each head's output before o_proj to its teacher head's (align_target="heads")
     warmup            warm-up over 10 % of each stage's steps from 0.1 · lr (instead of a fixed count from 0)
     lr_groups         stages 2-3: the copied non-attention weights (MLPs, norms, embeddings) at 0.1 · lr
     retrieval_rows    stage 3's synthetic rows with the KL/CE over the whole row (synthetic_loss="full")
@@ -36,6 +37,7 @@ _CHANGES = {
     "gdn_teacher": {"hybrid.gdn_init": "teacher", "hybrid.gdn_beta_bias": True, "hybrid.gdn_dt_max": 1.0},
     "qk_map": {"hybrid.gdn_qk_map": True},
     "la_qkv": {"stage1.train": "new+la_qkv", "stage1.lr_scale_attention": 0.1},
+    "head_targets": {"stage1.align_target": "heads"},
     "warmup": _WARMUP,
     "lr_groups": _LR_GROUPS,
     "retrieval_rows": {"stage3.synthetic_loss": "full"},

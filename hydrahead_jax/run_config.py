@@ -48,6 +48,7 @@ STAGES = (
 SELECT = "select"  # stage 0: the head map
 STAGE_NAMES = (SELECT,) + tuple(s.name for s in STAGES)
 TRAIN_CHOICES = ("new", "all", "new+la_qkv", "new+la_qkvo")  # hybrid.build.TRAIN_FILTERS
+ALIGN_TARGETS = ("layer", "heads")  # StageConfig.align_target: the align stage's per-layer or per-head targets
 SYNTHETIC_LOSSES = ("answer", "full")  # data.mixture.synthetic_row's loss choices
 MASTER_DTYPES = ("float32", "param")
 LOCAL_SELECTION_METHODS = ("given", "all_fa", "all_la")  # head maps the pipeline makes without probing
@@ -230,6 +231,9 @@ class StageConfig:
     ce_weight: float = 0.0  # next-token cross-entropy weight (the long stage needs it or kl_weight > 0)
     temperature: float = 1.0  # of the KL
     remat: bool = False
+    # align stage: what each layer is held to: "layer" (its attention output, after o_proj) or "heads" (each head's
+    # output before o_proj against its teacher head's: training.losses.align_loss)
+    align_target: str = "layer"
     heldout_rows: int = 4  # rows of the fixed held-out batch (at the stage's seq_len); 0 = no held-out evaluation
     heldout_every: int = 0  # held-out evaluation every this many steps, besides step 0 and the last step
     # long stage: a RoPE scaling for the student's FA heads from this stage on, carried into the export:
@@ -285,6 +289,14 @@ class StageConfig:
             self.synthetic_loss,
             f"choose one of {SYNTHETIC_LOSSES}",
             "full",
+        )
+        _require(
+            self.align_target in ALIGN_TARGETS,
+            s,
+            "align_target",
+            self.align_target,
+            f"choose one of {ALIGN_TARGETS}",
+            "heads",
         )
         _require(self.temperature > 0, s, "temperature", self.temperature, "must be > 0", "1.0")
         _require(self.loss_chunk_rows >= 0, s, "loss_chunk_rows", self.loss_chunk_rows, "must be >= 0", "0 (all rows)")

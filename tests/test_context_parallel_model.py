@@ -174,9 +174,9 @@ def test_prefill_that_would_need_padding_is_refused_with_the_fix():
 
 
 # ------------------------------------------------------------------------------------------ training
-def run_tiny_stage(workdir, mesh, stage_key, steps=3):
-    """``steps`` steps of the tiny recipe's stage ``stage_key`` on ``mesh`` through the real trainer; returns the
-    logged losses."""
+def run_tiny_stage(workdir, mesh, stage_key, steps=3, **stage_changes):
+    """``steps`` steps of the tiny recipe's stage ``stage_key`` (its settings changed by ``stage_changes``) on
+    ``mesh`` through the real trainer; returns the logged losses."""
     from hydrahead_jax.hybrid import build_model
     from hydrahead_jax.run_config import RunConfig, stage_by_key
     from hydrahead_jax.training.data import make_stage_iterator
@@ -185,6 +185,8 @@ def run_tiny_stage(workdir, mesh, stage_key, steps=3):
     c = tiny_config()
     getattr(c, stage_key).steps = steps
     getattr(c, stage_key).checkpoint_every = steps
+    for name, value in stage_changes.items():
+        setattr(getattr(c, stage_key), name, value)
     run = RunConfig.from_recipe(c)
     stage = stage_by_key(stage_key)
     scfg = run.stage(stage)
@@ -229,16 +231,24 @@ _ONE_DEVICE_LOSSES = {}
 
 
 @pytest.mark.parametrize(
-    "stage_key,mesh_name",
-    [("stage3", "seq8"), pytest.param("stage3", "data2_seq4", marks=pytest.mark.slow), ("stage1", "seq8")],
+    "stage_key,mesh_name,changes",
+    [
+        ("stage3", "seq8", {}),
+        pytest.param("stage3", "data2_seq4", {}, marks=pytest.mark.slow),
+        ("stage1", "seq8", {}),
+        ("stage1", "seq8", {"align_target": "heads"}),
+    ],
+    ids=["stage3-seq8", "stage3-data2_seq4", "stage1-seq8", "stage1-heads-seq8"],
 )
-def test_tiny_recipe_stage_under_sequence_mesh_gives_the_unsharded_losses(tmp_path, stage_key, mesh_name):
-    """Stage 3 (next-token CE on 64-token rows) and stage 1 (the align loss reads the teacher's intermediates)
-    under context parallelism: the losses of every step equal the one-device run's."""
-    if stage_key not in _ONE_DEVICE_LOSSES:
-        _ONE_DEVICE_LOSSES[stage_key] = run_tiny_stage(tmp_path / "one", one_device_mesh(), stage_key)
-    ref = _ONE_DEVICE_LOSSES[stage_key]
-    got = run_tiny_stage(tmp_path / "cp", mesh_of(mesh_name), stage_key)
+def test_tiny_recipe_stage_under_sequence_mesh_gives_the_unsharded_losses(tmp_path, stage_key, mesh_name, changes):
+    """Stage 3 (next-token CE on 64-token rows) and stage 1 (the align loss reads the teacher's intermediates;
+    with per-head targets its head outputs, layer 1's groups stored in another order) under context
+    parallelism: the losses of every step equal the one-device run's."""
+    key = (stage_key, tuple(sorted(changes.items())))
+    if key not in _ONE_DEVICE_LOSSES:
+        _ONE_DEVICE_LOSSES[key] = run_tiny_stage(tmp_path / "one", one_device_mesh(), stage_key, **changes)
+    ref = _ONE_DEVICE_LOSSES[key]
+    got = run_tiny_stage(tmp_path / "cp", mesh_of(mesh_name), stage_key, **changes)
     assert len(got) == len(ref) == 3
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=1e-6)
 

@@ -357,6 +357,7 @@ def test_the_data_modules_import_each_other_without_a_cycle():
         (lambda c: setattr(c.stage1, "warmup_fraction", 1.0), "config.stage1.warmup_fraction=1.0: must be in [0, 1)"),
         (lambda c: setattr(c.stage2, "warmup_start_ratio", 2.0), "Fix: --config.stage2.warmup_start_ratio=0.1"),
         (lambda c: setattr(c.stage2, "lr_scale_other", -1.0), "(0 freezes). Fix: --config.stage2.lr_scale_other=1.0"),
+        (lambda c: setattr(c.stage1, "align_target", "head"), "choose one of ('layer', 'heads')"),
     ],
 )
 def test_bad_schedule_and_group_settings_name_the_fix(edit, message):

@@ -282,9 +282,14 @@ class Attention(nnx.Module):
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
         kind: int | None = None,
+        heads_out: dict | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
+        """(o_proj of ``head_outputs``, the new cache); ``heads_out`` (a dict) also receives the head outputs
+        [B,T,Hq,D] before o_proj as "heads" (in the module's stored head order)."""
         b, t, _ = x.shape
         heads, cache = self.head_outputs(x, positions, cache, cache_index, probe, segment_ids, kind)
+        if heads_out is not None:
+            heads_out["heads"] = heads
         return self.o_proj(heads.reshape(b, t, -1)), cache
 
     def init_cache(self, batch: int, max_len: int, dtype, kind: int | None = None) -> LayerCache:

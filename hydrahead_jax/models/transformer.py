@@ -127,17 +127,30 @@ class Block(nnx.Module):
         probe: HeadProbe | None = None,
         segment_ids: jax.Array | None = None,
         kind: int | None = None,
+        record_heads: bool = False,
     ):
         """h [B,T,d] → (h after the attention and MLP residuals, the new cache). ``probe``: see ``HeadProbe``;
         ``segment_ids``: see ``Transformer.hidden_states``; ``kind``: the layer's static kind (see
         ``Transformer.layer_kinds``). ``intermediates`` (a dict) receives this layer's "attn_inputs" and
-        "attn_outputs" [B,T,d]."""
+        "attn_outputs" [B,T,d], and with ``record_heads`` "attn_heads" [B,T,Hq,D]: the attention's head outputs
+        before o_proj, in its stored head order."""
         attn_in = self.input_layernorm(h)
+        heads = {} if record_heads else None
         attn_out, cache = call_attention(
-            self.self_attn, attn_in, positions, cache, cache_index, probe=probe, segment_ids=segment_ids, kind=kind
+            self.self_attn,
+            attn_in,
+            positions,
+            cache,
+            cache_index,
+            probe=probe,
+            segment_ids=segment_ids,
+            kind=kind,
+            **({"heads_out": heads} if record_heads else {}),
         )
         if intermediates is not None:
             intermediates.update(attn_inputs=attn_in, attn_outputs=attn_out)
+            if record_heads:
+                intermediates["attn_heads"] = heads["heads"]
         h = h + attn_out
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, cache
@@ -364,6 +377,7 @@ class Transformer(nnx.Module):
         cache: dict[str, Any] | None = None,
         intermediates: dict | None = None,
         remat: bool = False,
+        record_heads: bool = False,
     ):
         """Final normalised hidden states [B,T,d] (and the updated cache when one is given).
 
@@ -378,7 +392,8 @@ class Transformer(nnx.Module):
         cache (index 0), decoding feeds T = 1. ``remat`` (training): each layer is rematerialised in the backward
         pass (the scan body under ``jax.checkpoint``), so only the layer inputs [B,T,d] are kept between forward
         and backward instead of every layer's intermediates. ``intermediates`` (a dict) receives "attn_inputs" and
-        "attn_outputs", each [L,B,T,d]: every layer's attention input (after its norm) and output.
+        "attn_outputs", each [L,B,T,d]: every layer's attention input (after its norm) and output; with
+        ``record_heads`` also "attn_heads" [L,B,T,Hq,D], every layer's head outputs before o_proj (stored order).
 
         Context parallelism (T > 1 under a mesh whose sequence axes have n = ∏ sizes > 1, ``sequence_shards``):
         the row is end-padded to T' = ⌈T / 2n⌉·2n tokens, then the int inputs (ids, positions, segment ids) are
@@ -423,11 +438,16 @@ class Transformer(nnx.Module):
             segment_ids = None if segment_ids is None else to_model_order(end_pad(segment_ids), n)
         h = constrain_tokens(self.embed_tokens(input_ids)) if n > 1 else self.embed_tokens(input_ids)
         record = intermediates is not None
+        if record_heads and not record:
+            raise ValueError("record_heads=True records into intermediates: pass an intermediates dict too.")
+        names = ("attn_inputs", "attn_outputs", "attn_heads") if record_heads else ("attn_inputs", "attn_outputs")
 
         def run_layer(block, kind, h, _, slot, mine=None):
             seen: dict | None = {} if record else None
-            h, mine = block(h, positions, mine, cache_index, seen, segment_ids=segment_ids, kind=kind)
-            recorded = (seen["attn_inputs"], seen["attn_outputs"]) if record else None
+            h, mine = block(
+                h, positions, mine, cache_index, seen, segment_ids=segment_ids, kind=kind, record_heads=record_heads
+            )
+            recorded = tuple(seen[name] for name in names) if record else None
             return (h, recorded) if cache is None else (h, recorded, mine)
 
         if cache is None:
@@ -442,7 +462,7 @@ class Transformer(nnx.Module):
             h = natural(h)
             recorded = None if recorded is None else tuple(natural(x, 2) for x in recorded)
         if record:
-            intermediates.update(attn_inputs=recorded[0], attn_outputs=recorded[1])
+            intermediates.update(zip(names, recorded, strict=True))
         new_cache = None if cache is None else {"index": cache_index + t, "layers": layers_cache}
         return h, new_cache
 

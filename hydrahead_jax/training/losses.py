@@ -5,7 +5,14 @@ Stage 1 (align), per layer l, with the TEACHER's normalised attention input x̂�
     L_align = Σ_l  Σ_{b,t} m_{b,t} · ‖ Attn_student^l(x̂ˡ_{b,t}) − yˡ_{b,t} ‖² / d   /  Σ_{b,t} m_{b,t}
 
 (the sum over layers, not the mean, so each layer's gradient does not shrink with depth; layers are independent
-because every student block reads the teacher's input, not its own previous output.)
+because every student block reads the teacher's input, not its own previous output.) With per-head targets
+(``align_target="heads"``) each layer compares the head outputs before o_proj instead, every student head h with
+its teacher head (the same query head: FA heads match to rounding, so the LA heads carry the loss):
+
+    L_align = Σ_l  Σ_{b,t} m_{b,t} · Σ_h ‖ o_student^{l,h}(x̂ˡ_{b,t}) − o_teacher^{l,h}_{b,t} ‖² / (Hq·D)  /  Σ_{b,t} m_{b,t}
+
+(o_proj, shared and frozen in stage 1, no longer weighs the heads' errors: a head whose output o_proj nearly
+cancels still learns its teacher head.)
 
 Stage 2 (distil), with p = softmax(z_teacher / τ), q = softmax(z_student / τ) per token:
 
@@ -54,20 +61,30 @@ def align_loss(
     positions: jax.Array,
     mask: jax.Array,
     segment_ids: jax.Array | None = None,
+    *,
+    heads: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Σ_l masked-mean MSE of student attention l on the teacher's input l against the teacher's output l.
 
     ``run_layers(fn, xs)`` returns [fn(attention_l, xs_l) for every layer l] stacked (one scan over the student's
-    layers: ``Transformer.scan_layers``), ``attention_l(x, positions, segment_ids=...) -> (out, cache)`` being the
-    student's attention block of layer l (``segment_ids``: packed documents, or None);
-    ``teacher_inputs`` / ``teacher_outputs`` are [L,B,T,d] (already stop-gradient'ed by the caller).
+    layers: ``Transformer.scan_layers``), ``attention_l(x, positions, segment_ids=..., heads_out=...) -> (out,
+    cache)`` being the student's attention block of layer l (``segment_ids``: packed documents, or None;
+    ``heads_out``: a dict that receives its head outputs before o_proj, ``Attention.__call__``);
+    ``teacher_inputs`` are [L,B,T,d] and ``teacher_outputs`` [L,B,T,d], or with ``heads`` the teacher's head
+    outputs [L,B,T,Hq,D] in the student's stored head order (all already stop-gradient'ed by the caller).
     Returns (total, per-layer losses [L]).
     """
 
     def layer_loss(attention, xy):
         x, y = xy
-        out, _ = attention(x, positions, segment_ids=segment_ids)
-        sq = jnp.mean(jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32)), axis=-1)  # [B,T]
+        if heads:
+            seen: dict = {}
+            attention(x, positions, segment_ids=segment_ids, heads_out=seen)
+            out = seen["heads"]
+        else:
+            out, _ = attention(x, positions, segment_ids=segment_ids)
+        sq = jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32))
+        sq = jnp.mean(sq.reshape(sq.shape[:2] + (-1,)), axis=-1)  # [B,T]
         return masked_mean(sq, mask)
 
     per_layer = run_layers(layer_loss, (teacher_inputs, teacher_outputs))

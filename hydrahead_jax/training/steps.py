@@ -35,13 +35,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hydrahead_jax.hybrid.attention import group_columns
 from hydrahead_jax.hybrid.build import PARAM_GROUPS, param_group
 from hydrahead_jax.models.transformer import call_attention, sequence_shards, to_model_order
-from hydrahead_jax.run_config import STAGES
+from hydrahead_jax.run_config import ALIGN_TARGETS, STAGES
 from hydrahead_jax.training import losses
 from hydrahead_jax.training import sharding as shd
 
@@ -61,14 +63,30 @@ class LossSettings:
     chunk: int = 512  # token chunk of the logits loops
     chunk_rows: int = 0  # global rows per logits tile (0: all rows of the micro-batch); tile = chunk_rows × chunk × V
     remat: bool = False  # rematerialise each student layer (attention block in stage 1) in the backward pass
+    align_target: str = "layer"  # stage 1: "layer" (each layer's output) or "heads" (each head before o_proj)
 
     def __post_init__(self):
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"loss kind {self.kind!r}; choose one of {STAGE_KINDS}.")
+        if self.align_target not in ALIGN_TARGETS:
+            raise ValueError(f"align_target {self.align_target!r}; choose one of {ALIGN_TARGETS}.")
 
     @property
     def needs_teacher(self) -> bool:
         return self.kind in ("align", "distil") or self.kl_weight > 0
+
+
+def stored_heads(student: nnx.Module, teacher: nnx.Module, teacher_heads: jax.Array) -> jax.Array:
+    """The teacher's head outputs [L,B,T,Hq,D] (in the teacher's stored order) in the student's: a model's stored
+    head j of layer l is original head ``group_columns(model.group_order[l], G, 1)[j]`` (a student's FA groups
+    first; the teacher's order is normally the original one)."""
+    cfg = student.cfg
+    columns = lambda model: np.stack([group_columns(o, cfg.group_size, 1) for o in model.group_order])  # noqa: E731
+    teacher_position = np.argsort(columns(teacher), axis=1)  # [L, Hq]: original head → teacher's stored position
+    index = np.take_along_axis(teacher_position, columns(student), axis=1)  # student's stored j → teacher's
+    if (index == np.arange(cfg.num_heads)).all():
+        return teacher_heads
+    return jnp.take_along_axis(teacher_heads, jnp.asarray(index)[:, None, None, :, None], axis=3)
 
 
 def token_layout(batch: dict[str, jax.Array], mask_documents: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -99,12 +117,16 @@ def compute_loss(
     positions, segment_ids = token_layout(batch, settings.mask_documents)
     if settings.kind == "align":
         inter: dict[str, list] = {}
-        teacher.hidden_states(ids, positions=positions, segment_ids=segment_ids, intermediates=inter)
+        heads = settings.align_target == "heads"
+        teacher.hidden_states(
+            ids, positions=positions, segment_ids=segment_ids, intermediates=inter, record_heads=heads
+        )
         # Under context parallelism the student's attention runs in the model's sharded token order (the teacher
         # returned natural order); the masked mean over tokens does not depend on their order.
         n = sequence_shards(ids.shape[1])
         order = lambda x, axis=1: None if x is None else to_model_order(jax.lax.stop_gradient(x), n, axis)  # noqa: E731
-        t_in, t_out = order(inter["attn_inputs"], 2), order(inter["attn_outputs"], 2)  # [L,B,T,d]
+        t_in = order(inter["attn_inputs"], 2)  # [L,B,T,d]
+        t_out = order(stored_heads(student, teacher, inter["attn_heads"]) if heads else inter["attn_outputs"], 2)
 
         def run_layers(fn, xs):
             def layer(block, kind, carry, x, slot):
@@ -112,7 +134,9 @@ def compute_loss(
 
             return student.scan_layers(layer, None, xs, remat=settings.remat)[1]
 
-        total, per_layer = losses.align_loss(run_layers, t_in, t_out, order(positions), order(mask), order(segment_ids))
+        total, per_layer = losses.align_loss(
+            run_layers, t_in, t_out, order(positions), order(mask), order(segment_ids), heads=heads
+        )
         return total, {"loss": total, "align_mse_mean": jnp.mean(per_layer)}
 
     h_s, _ = student.hidden_states(ids, positions=positions, segment_ids=segment_ids, remat=settings.remat)
@@ -208,6 +232,7 @@ def stage_settings(
         chunk_rows=stage_cfg.loss_chunk_rows * int(data_parallel),
         remat=stage_cfg.remat,
         mask_documents=mask_documents,
+        align_target=stage_cfg.align_target,
     )
     step = StepSettings(micro_batches=stage_cfg.micro_batches, master_dtype=stage_cfg.master_dtype)
     step.check_batch(stage_cfg.batch_size, int(data_parallel), loss.chunk_rows)
