@@ -83,19 +83,28 @@ def test_chunked_gradients_match_unchunked():
     )
 
 
-def test_align_loss_equals_hand_written_per_layer_mse():
+ALIGN_FA_GROUPS = [[0], [], [1]]  # layer 2 keeps group 1: its stored order is groups (1, 0)
+
+
+def _align_setup():
+    """(teacher, student of ALIGN_FA_GROUPS with its GDN parameters moved off their teacher-matching init so the
+    per-layer errors are clearly non-zero, ids [2, 20], loss mask [2, 20])."""
     cfg = ModelConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
     )
     teacher = Transformer(cfg, rngs=nnx.Rngs(0))
-    head_map = HeadMap.from_fa_groups(cfg, [[0], [], [1]], method="test")
+    head_map = HeadMap.from_fa_groups(cfg, ALIGN_FA_GROUPS, method="test")
     student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16), rngs=nnx.Rngs(1))
-    # Move the new parameters off their teacher-matching init so the per-layer errors are clearly non-zero.
     new = nnx.state(student, nnx.All(nnx.Param, nnx.PathContains("gdn")))
     nnx.update(student, jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(3), x.shape), new))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, 20)), jnp.int32)
     mask = jnp.asarray(rng.random((2, 20)) > 0.25, jnp.float32)
+    return teacher, student, ids, mask
+
+
+def test_align_loss_equals_hand_written_per_layer_mse():
+    teacher, student, ids, mask = _align_setup()
 
     # Hand-written: walk the teacher's layers; feed each student attention the teacher's normalised input.
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
@@ -235,22 +244,8 @@ def test_per_head_align_loss_equals_hand_written_head_mse():
     group is group 1, so its stored order is groups (1, 0) and the hand-written loop maps heads back itself. The
     layer with no FA group and the layer whose FA group 0 is kept both carry LA heads with error; the FA heads'
     outputs equal the teacher's (their share of the loss is rounding)."""
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
-    )
-    teacher = Transformer(cfg, rngs=nnx.Rngs(0))
-    fa_groups = [[0], [], [1]]
-    student = build_student(
-        teacher,
-        HeadMap.from_fa_groups(cfg, fa_groups, method="test"),
-        HybridConfig(gdn_chunk_size=16),
-        rngs=nnx.Rngs(1),
-    )
-    new = nnx.state(student, nnx.All(nnx.Param, nnx.PathContains("gdn")))
-    nnx.update(student, jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(3), x.shape), new))
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, 64, (2, 20)), jnp.int32)
-    mask = jnp.asarray(rng.random((2, 20)) > 0.25, jnp.float32)
+    teacher, student, ids, mask = _align_setup()
+    cfg, fa_groups = teacher.cfg, ALIGN_FA_GROUPS
 
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
     h = teacher.embed_tokens(ids)
