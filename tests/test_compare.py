@@ -16,7 +16,7 @@ from train_helpers import ROOT, single_device_env
 
 from hydrahead_jax.config import ConfigError
 from hydrahead_jax.experiments.compare import derive_head_map, load_variants, run_comparison, select_variants
-from hydrahead_jax.experiments.report import pareto_front, summary_rows
+from hydrahead_jax.experiments.report import pareto_front, render_markdown, summary_rows
 
 
 def _tiny_comparison(*variants):
@@ -457,3 +457,20 @@ def test_merge_refuses_results_of_another_recipe(compared, tmp_path):
     twice = _with(full, tmp_path / "twice.json", lambda r: None)
     with pytest.raises(ConfigError, match="variant 'random_3to1_s1' is in both"):
         report_finished(config, workdir, merge=[compared["workdir"] / "results.json", twice])
+
+
+def test_report_gives_each_single_run_retrieval_cell_its_wilson_interval():
+    """NIAH at 2 depths × 50 samples is 100 prompts: 0.5 → 50 of 100, Wilson 95 % [40.4, 59.6] %; passkey is 50
+    prompts: 0.0 → [0, 7.1] % (z²/(n+z²) = 3.84 / 53.84); the teacher's line the same way."""
+    final = {"data": {"kl": 0.5, "top1": 0.4, "ppl": 3.0}, "suite": {"niah@512": 0.5, "passkey@512": 0.0}}
+    results = {
+        "workdir": "w",
+        "eval": {"samples": 50, "depths": [0.1, 0.9]},
+        "teacher": {"suite": {"niah@512": 1.0, "passkey@512": 0.7}},
+        "variants": [
+            {"name": "a", "group": "a", "final": final, "overrides": {}, "curve_source": "train"},
+        ],
+    }
+    text = render_markdown(results, summary_rows(results), [])
+    assert "| 50 % [40, 60] | 0 % [0, 7] |" in text
+    assert "Teacher retrieval: niah@512 100 % [96, 100], passkey@512 70 % [56, 81]" in text

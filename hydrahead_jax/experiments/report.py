@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hydrahead_jax.evaluation.intervals import wilson_interval
+
 RETRIEVAL_PREFIXES = ("niah@", "passkey@", "multikey@", "multivalue@", "kv@", "vt@")
 
 
@@ -88,6 +90,23 @@ def summary_rows(results: dict) -> list[dict[str, Any]]:
     return rows
 
 
+def prompts_per_cell(key: str, eval_settings: dict) -> int | None:
+    """How many prompts a retrieval cell ("niah@512", "passkey@1024", ...) of the comparison averages: NIAH runs
+    ``samples`` prompts at each of its ``depths``, the other tasks ``samples`` prompts; None when unknown."""
+    samples = eval_settings.get("samples")
+    if not samples:
+        return None
+    return int(samples) * (len(eval_settings.get("depths") or ()) if key.startswith("niah@") else 1) or None
+
+
+def _fmt_accuracy(value, n: int | None) -> str:
+    """A single run's accuracy with its Wilson 95 % interval over its n prompts: "12 % [7, 20]"."""
+    if value is None or isinstance(value, tuple) or not n:
+        return _fmt(value, percent=True)
+    lo, hi = wilson_interval(round(value * n), n)
+    return f"{value * 100:.0f} % [{lo * 100:.0f}, {hi * 100:.0f}]"
+
+
 def _fmt(pair, digits: int = 3, *, percent: bool = False, integer: bool = False) -> str:
     mean, spread = pair if isinstance(pair, tuple) else (pair, None)
     if mean is None:
@@ -101,6 +120,7 @@ def _fmt(pair, digits: int = 3, *, percent: bool = False, integer: bool = False)
 
 def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
     teacher = results.get("teacher") or {}
+    eval_settings = results.get("eval") or {}
     retrieval_keys = sorted({k for r in rows for k in r if k.startswith(RETRIEVAL_PREFIXES)})
     header = [
         "variant",
@@ -125,7 +145,8 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
         f"{rows[0]['source'] if rows else 'held-out data'}; ppl on the same text (teacher: "
         f"{_fmt(headline(teacher)['ppl'])}). KV bytes/token = FA groups × 2 (K and V) × head_dim × bytes × "
         "layers, from the model's decode cache. time = wall seconds of all stages (teacher loading, compilation and checkpoints "
-        "included; the shared probe is not); tokens = training tokens of all stages.",
+        "included; the shared probe is not); tokens = training tokens of all stages. Retrieval accuracies of a "
+        "single run carry their Wilson 95 % interval over the cell's prompts in brackets.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -140,14 +161,20 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
             _fmt(r["kl"]),
             _fmt(r["top1"], percent=True),
             _fmt(r["ppl"], 4),
-            *[_fmt(r.get(k), percent=True) for k in retrieval_keys],
+            *[
+                _fmt_accuracy(r[k][0], prompts_per_cell(k, eval_settings))
+                if r["n"] == 1 and k in r
+                else _fmt(r.get(k), percent=True)
+                for k in retrieval_keys
+            ],
             _fmt(r["seconds"], integer=True),
             _fmt(r["tokens"], integer=True),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     teacher_retrieval = {k: v for k, v in (teacher.get("suite") or {}).items() if k.startswith(RETRIEVAL_PREFIXES)}
     if teacher_retrieval:
-        lines += ["", "Teacher retrieval: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in teacher_retrieval.items())]
+        cells = (f"{k} {_fmt_accuracy(v, prompts_per_cell(k, eval_settings))}" for k, v in teacher_retrieval.items())
+        lines += ["", "Teacher retrieval: " + ", ".join(cells)]
     lines += heldout_table(results)
     lines += ["", "## Variants", ""]
     for v in results["variants"]:
