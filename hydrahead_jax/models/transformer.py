@@ -145,7 +145,7 @@ class Block(nnx.Module):
             probe=probe,
             segment_ids=segment_ids,
             kind=kind,
-            **({"heads_out": heads} if record_heads else {}),
+            heads_out=heads,
         )
         if intermediates is not None:
             intermediates.update(attn_inputs=attn_in, attn_outputs=attn_out)
