@@ -250,7 +250,8 @@ def test_tiny_recipe_stage_under_sequence_mesh_gives_the_unsharded_losses(tmp_pa
     ref = _ONE_DEVICE_LOSSES[key]
     got = run_tiny_stage(tmp_path / "cp", mesh_of(mesh_name), stage_key, **changes)
     assert len(got) == len(ref) == 3
-    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=1e-6)
+    # measured (2026-12-02): stage 3 9.8e-8 (seq8) and 0 (data2_seq4), stage 1 2.8e-7, per-head targets 3.2e-7
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
 
 
 def test_seq_len_that_does_not_split_over_the_sequence_axis_is_refused_with_the_fix():
