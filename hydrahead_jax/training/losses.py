@@ -7,12 +7,13 @@ Stage 1 (align), per layer l, with the TEACHER's normalised attention input x̂�
 (the sum over layers, not the mean, so each layer's gradient does not shrink with depth; layers are independent
 because every student block reads the teacher's input, not its own previous output.) With per-head targets
 (``align_target="heads"``) each layer compares the head outputs before o_proj instead, every student head h with
-its teacher head (the same query head: FA heads match to rounding, so the LA heads carry the loss):
+its teacher head (the same query head; with the default fusion the FA heads match to rounding, so the LA heads
+carry the loss):
 
     L_align = Σ_l  Σ_{b,t} m_{b,t} · Σ_h ‖ o_student^{l,h}(x̂ˡ_{b,t}) − o_teacher^{l,h}_{b,t} ‖² / (Hq·D)  /  Σ_{b,t} m_{b,t}
 
-(o_proj, shared and frozen in stage 1, no longer weighs the heads' errors: a head whose output o_proj nearly
-cancels still learns its teacher head.)
+(o_proj, shared by all heads, no longer weighs the heads' errors: a head whose output o_proj nearly cancels
+still learns its teacher head.)
 
 Stage 2 (distil), with p = softmax(z_teacher / τ), q = softmax(z_student / τ) per token:
 
