@@ -146,6 +146,47 @@ def test_head_maps_derived_from_one_probe_match_hand_selection():
         assert derived.scores == probed.scores  # the evidence travels with every derived map
 
 
+def test_the_probe_runs_the_base_recipe_whichever_variants_reach_it_first(tmp_path, monkeypatch):
+    """The recipe comparison's variants differ in hybrid and stage settings: the probe's stage 0 runs with the
+    base recipe (method combined) whichever of them ``--only`` names first, so a probe killed under one subset
+    resumes under another (its directory's config guard holds one config). The stage itself is replaced by a
+    recorder (no teacher is loaded): what is checked is the config it is handed."""
+    import dataclasses
+
+    from model_shapes import SMOLLM2_135M
+
+    import hydrahead_jax.training.pipeline as pipeline
+    from configs import compare_recipe_smollm2
+    from hydrahead_jax.experiments.compare import comparison_base, probe_once
+    from hydrahead_jax.hybrid import HeadMap
+
+    config = compare_recipe_smollm2.get_config()
+    variants = {v.name: v for v in load_variants(config)}
+    a, b = variants["fusion_la_scale"], variants["combined"]
+    base = comparison_base(config)
+    assert a.run != base and b.run != base and a.run.hybrid != b.run.hybrid
+    handed = []
+
+    def record_stage0(run, workdir, until_stage):
+        handed.append(run)
+        cfg = SMOLLM2_135M  # its 30 layers x 3 KV groups
+        scores = np.arange(90.0).reshape(cfg.num_layers, cfg.num_kv_heads).tolist()
+        HeadMap.from_fa_groups(
+            cfg,
+            [[0]] * cfg.num_layers,
+            method="combined",
+            target_ratio="2:1",
+            scores={"retrieval": scores, "ablation": scores, "combined": scores},
+        ).save(workdir / "head_map.json")
+
+    monkeypatch.setattr(pipeline, "run_pipeline", record_stage0)
+    for subset, workdir in (([b, a], tmp_path / "ba"), ([a, b], tmp_path / "ab")):
+        assert sorted(probe_once(subset, workdir, base)) == ["combined", "fusion_la_scale"]
+    settings = dataclasses.replace(base.selection.settings, method="combined")
+    expected = dataclasses.replace(base, selection=dataclasses.replace(base.selection, settings=settings))
+    assert handed == [expected, expected]
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 

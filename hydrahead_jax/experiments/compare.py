@@ -276,9 +276,14 @@ def check_against_teacher(variants: list[Variant], cfg, tokenizer) -> None:
 # ------------------------------------------------------------------------------------------------ probe once
 
 
-def probe_once(variants: list[Variant], workdir: Path) -> dict[str, str]:
-    """Probe the teacher once (stage 0 with the combined method, in workdir/probe) and write each probe variant's
-    head map, derived from the saved scores, to workdir/head_maps/<name>.json. Returns {variant: map path}."""
+def probe_once(variants: list[Variant], workdir: Path, base_run: RunConfig) -> dict[str, str]:
+    """Probe the teacher once (stage 0 of ``base_run`` with the combined method, in workdir/probe) and write each
+    probe variant's head map, derived from the saved scores, to workdir/head_maps/<name>.json. Returns {variant:
+    map path}.
+
+    The probe runs the base recipe, not a variant's: the probe reads only the teacher and the data, which no
+    variant may change, and the probe directory's config guard then holds the same config whichever subset of
+    variants (``--only``) reaches it first."""
     probes = [v for v in variants if v.probe_method]
     if not probes:
         return {}
@@ -288,9 +293,8 @@ def probe_once(variants: list[Variant], workdir: Path) -> dict[str, str]:
     probe_dir = workdir / "probe"
     probe_map = probe_dir / "head_map.json"
     if not probe_map.exists():
-        recipe = probes[0].run
-        settings = dataclasses.replace(recipe.selection.settings, method="combined")
-        run = dataclasses.replace(recipe, selection=dataclasses.replace(recipe.selection, settings=settings))
+        settings = dataclasses.replace(base_run.selection.settings, method="combined")
+        run = dataclasses.replace(base_run, selection=dataclasses.replace(base_run.selection, settings=settings))
         print(f"[compare] probing the teacher once for {[v.name for v in probes]} in {probe_dir}", flush=True)
         run_pipeline(run, probe_dir, until_stage=SELECT)
     probed = HeadMap.load(probe_map)
@@ -616,7 +620,7 @@ def _run_locked(
     models = _Models()
     teacher, tokenizer = models.teacher(base_run)
     check_against_teacher(variants, teacher.cfg, tokenizer)  # still before any training
-    head_maps = probe_once(variants, workdir)
+    head_maps = probe_once(variants, workdir, base_run)
 
     ids = models.heldout_ids(base_run, tokenizer, settings)
     teacher_hash = config_hash(

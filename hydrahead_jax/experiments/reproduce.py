@@ -53,6 +53,7 @@ from hydrahead_jax.experiments.compare import (
     _stage_finished,
     _variant_run,
     _write_json,
+    comparison_base,
     config_hash,
     load_variants,
     probe_once,
@@ -629,7 +630,8 @@ def _run_locked(study: Study, workdir: Path, parts: list[str]) -> None:
     paths, folder, teacher, tokenizer = _teacher_and_data(study, workdir)
     specs = run_specs(study, parts)
     all_arms = [a for a in ARMS]
-    head_maps = probe_once(load_variants(comparison_config(study, paths, folder, 0, 1.0, all_arms)), workdir)
+    probe_config = comparison_config(study, paths, folder, 0, 1.0, all_arms)
+    head_maps = probe_once(load_variants(probe_config), workdir, comparison_base(probe_config))
     data = EvalData(study, paths, tokenizer)
     teacher_scorer = Scorer(teacher)
     acceptance = accept_teacher(study, workdir, folder, data, teacher)
