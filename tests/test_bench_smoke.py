@@ -6,6 +6,7 @@ transformers' torch implementation passes (it raises otherwise). Nothing is appe
 """
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +42,15 @@ def test_attention_quick(capsys):
     assert len(rows) == 2 and all(r[0] == "256" for r in rows)  # one time table, one memory table
     cfg, summary = all_results["smollm2"]
     time_v, mem_v = summary[("fwdbwd", 256)]
-    for v in bench_attention.VARIANTS:
-        assert time_v[v] > 0 and math.isfinite(time_v[v]), v
-        assert mem_v[v] > 0, v
-    # The stack average really mixes the measured blocks: 11 of 30 layers carry the 1-FA block.
+    assert set(time_v) == set(mem_v) == set(bench_attention.VARIANTS)
+    # The stack average really mixes the measured blocks: 11 of 30 layers carry the 1-FA block, and the variant's
+    # memory is that mixture of the blocks' compiled memory as printed per block (to the printed 0.1 MiB).
     assert bench_attention.stack_weights(cfg)["HydraHead 7:1"] == pytest.approx({"1-FA": 11 / 30, "all-LA": 19 / 30})
+    line = next(x for x in out.splitlines() if x.strip().startswith("[smollm2 fwdbwd T=256]"))
+    block_mib = {b: float(m) for b, m in re.findall(r"([\w-]+): [\d.]+ \w?s / ([\d.]+) MiB", line)}
+    mixed = 11 / 30 * block_mib["1-FA"] + 19 / 30 * block_mib["all-LA"]
+    assert mem_v["HydraHead 7:1"] / 2**20 == pytest.approx(mixed, abs=0.1), (line, mem_v)
+    assert mem_v["teacher"] / 2**20 == pytest.approx(block_mib["teacher"], abs=0.05)
 
 
 def test_decode_quick(capsys):
@@ -57,7 +62,11 @@ def test_decode_quick(capsys):
     assert [r[0] for r in rows] == ["256", "512"]
     # cache_bytes (analytic) and the real pytree agree to the byte for both models (columns 4/5 and 6/7).
     assert all(r[4] == r[5] and r[6] == r[7] for r in rows)
-    assert all(t > 0 for ctx in per_token.values() for t in ctx.values())
+    # What the student's cache is for: smaller than the teacher's, and more so as the context grows (its GDN
+    # state is constant, only its few FA groups' keys and values grow).
+    cache_ratio = [float(r[8].rstrip("x")) for r in rows]
+    assert 1 < cache_ratio[0] < cache_ratio[1], cache_ratio
+    assert set(per_token) == {256, 512}
 
 
 def test_train_step_quick(capsys):
@@ -70,7 +79,10 @@ def test_train_step_quick(capsys):
         f"stage {s}{r}" for s in ("1 align", "2 distil", "3 long") for r in ("", " (remat)")
     ]
     assert set(tps) == {f"{k}{r}" for k in ("align", "distil", "long") for r in ("", ":remat")}
-    assert all(v > 0 for v in tps.values())
+    # Rematerialisation recomputes the same forward pass: each stage's loss on its batch is the same with it.
+    loss = {r[0]: r[7] for r in rows}
+    for stage in ("1 align", "2 distil", "3 long"):
+        assert loss[f"stage {stage}"] == loss[f"stage {stage} (remat)"], loss
 
 
 def test_segments_quick(capsys):
@@ -78,8 +90,15 @@ def test_segments_quick(capsys):
 
     ratios = bench_segments.main(["--quick"])
     assert set(ratios) == {("forward", 512), ("fwd+bwd", 512)}
-    assert len(_table_rows(capsys.readouterr().out, "T")) == 2
-    assert all(r > 0 for ratio in ratios.values() for r in ratio.values())
+    rows = _table_rows(capsys.readouterr().out, "T")
+    assert len(rows) == 2
+    for row in rows:
+        # the packed row really holds several documents (~64-token ones in 512), and each ratio printed is the
+        # one returned: unmasked time / the call's time
+        assert int(row[1]) >= 2, row
+        ratio = ratios[(row[2], 512)]
+        assert float(row[5].rstrip("x")) == pytest.approx(ratio["one doc"], abs=0.006), row
+        assert float(row[7].rstrip("x")) == pytest.approx(ratio["packed"], abs=0.006), row
 
 
 def test_context_parallel_quick(capsys):
@@ -92,9 +111,13 @@ def test_context_parallel_quick(capsys):
     assert [r[1] for r in rows] == ["teacher", "1-FA", "all-LA", "7:1"]
     one, split = results[512]
     for kind in ("teacher", "1-FA", "all-LA", "7:1"):
-        assert one[kind]["mem"] > 0 and split[kind]["mem"] > 0, kind
+        # what the split exists for: each device holds less (compiled memory, measured 1.14-1.73x less at T=512)
+        assert 0 < split[kind]["mem"] < one[kind]["mem"], kind
         assert one[kind]["bytes"] == 0 and split[kind]["bytes"] > 0, kind
-        assert one[kind]["time"] > 0 and split[kind]["time"] > 0, kind
+    # By hand: the teacher layer gathers every device's keys and values, 2 · T · 3 KV heads · 64 dims · 4 bytes,
+    # of which each device receives the 7/8 it does not hold (the backward's reduce-scatter sends as much back).
+    gathered = 7 / 8 * 2 * 512 * 3 * 64 * 4
+    assert split["teacher"]["by_op"]["all-gather"] == split["teacher"]["by_op"]["reduce-scatter"] == gathered
 
 
 def test_collective_bytes_of_hand_written_hlo():
@@ -197,14 +220,18 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def test_gpu_check_install_plan_and_usage_errors(tmp_path):
+    import jax
+
     out = tmp_path / "never-created"
     plan = _gpu_check("--print-install-plan", "--cuda", "12", "--out", str(out), timeout=60)
     assert plan.returncode == 0, plan.stderr
-    assert "jax[cuda12]==0.12.0.1 torch==2.10.0 fla-core==0.6.0" in plan.stdout
+    # The GPU venv gets the JAX this checkout runs (its kernels are tested against it), and exact pins of the peers.
+    pins = rf"jax\[cuda{{}}\]=={re.escape(jax.__version__)} torch==\d+\.\d+\.\d+ fla-core==\d+\.\d+\.\d+"
+    assert re.search(pins.format(12), plan.stdout), plan.stdout
     # torch 2.10 pins a cuFFT older than the one jax-cuda12 was built with; JAX would refuse to start with it.
     assert "then, --no-deps: nvidia-cufft-cu12==11.4.1.4" in plan.stdout
     plan13 = _gpu_check("--print-install-plan", "--cuda", "13", timeout=60)
-    assert "jax[cuda13]==0.12.0.1 torch==2.13.0 fla-core==0.6.0" in plan13.stdout and "--no-deps" not in plan13.stdout
+    assert re.search(pins.format(13), plan13.stdout) and "--no-deps" not in plan13.stdout, plan13.stdout
     assert not out.exists()  # the plan changes nothing
     for bad, message in ((["--cuda", "11"], "--cuda takes 12 or 13"), (["--budget", "soon"], "whole seconds")):
         proc = _gpu_check(*bad, timeout=60)
@@ -336,8 +363,10 @@ def test_gated_delta_peer_calls_on_cpu(tmp_path):
     peer.fwd_bwd()
     peer.fwd_bwd()
     want = jax.jit(gd._fwd_and_grads, static_argnums=0)(gd.gdn("reference"), args, cot)[2:]
+    # Measured (f32, 2026-12-03): each gradient within 7.4e-7 of its array's largest entry (q; 1.7e-7 for h0).
     for name, leaf, w in zip(("q", "k", "v", "g", "beta", "h0"), peer.leaves, want):
-        np.testing.assert_allclose(leaf.grad.numpy(), np.asarray(w), rtol=2e-3, atol=2e-4, err_msg=name)
+        w = np.asarray(w)
+        np.testing.assert_allclose(leaf.grad.numpy(), w, rtol=0, atol=2.5e-6 * np.abs(w).max(), err_msg=name)
     # A peer computing something else is caught (here: no q/k L2 norm).
     unnormalised = lambda *a, **kw: rule(*a, **{**kw, "use_qk_l2norm_in_kernel": False})
     assert not gd.check_fla_agreement(report, unnormalised, case, device="cpu")

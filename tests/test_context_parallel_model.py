@@ -122,13 +122,16 @@ def test_model_values_and_gradients_match_unsharded(mesh_name, case, which):
         assert sequence_shards(t) == mesh.shape["sequence"]  # the model really runs context-parallel
     ref = value_and_grads(model, one_device_mesh(), ids, positions, seg)
     got = value_and_grads(model, mesh, ids, positions, seg)
+    # Tolerances from the measured differences over these six cases (f32, 8 simulated devices, 2026-12-03):
+    # hidden states and logits at most 1.3e-5 apart (absolute), gradients at most 8.1e-5 of their array's largest
+    # entry; about 3x above each.
     for name, a, b in zip(("hidden", "logits"), got[:2], ref[:2]):
         assert a.shape == b.shape == (2, t, *a.shape[2:])
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4e-5, err_msg=name)
     assert got[2].keys() == ref[2].keys()
     for path, g in ref[2].items():
         assert np.abs(g).max() > 0, path  # every parameter really receives a gradient
-        np.testing.assert_allclose(got[2][path], g, rtol=2e-4, atol=2e-4 * np.abs(g).max(), err_msg=str(path))
+        np.testing.assert_allclose(got[2][path], g, rtol=0, atol=2.5e-4 * np.abs(g).max(), err_msg=str(path))
 
 
 # ------------------------------------------------------------------------------------------ prefill and decoding

@@ -343,12 +343,15 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
     def find(**kw):
         return [r for r in recs if all(r.get(k) == v for k, v in kw.items())]
 
+    # Outcomes known in advance: these random-weight models never write a needle's value (a real teacher that
+    # answers every needle is tests/test_pretrained.py's), so every retrieval cell scores 0.
     for name in names:
         for depth in (0.0, 1.0):
             (r,) = find(model=name, task="niah", length=256, depth=depth)
-            assert r["n"] == 1 and r["seeds"] == [0] and 0.0 <= r["value"] <= 1.0
+            assert r["n"] == 1 and r["seeds"] == [0] and r["value"] == 0.0
         for task in ("passkey", "kv"):
-            assert len(find(model=name, task=task, length=256)) == 1
+            (r,) = find(model=name, task=task, length=256)
+            assert r["value"] == 0.0
         for source in ("a", "b"):
             (r,) = find(model=name, task="ppl", source=source, length=256)
             assert r["n"] == 2 and r["tokens"] == 2 * 255 and r["value"] > 1
@@ -379,7 +382,7 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
     assert by_model[names[0]].keys() == by_model[names[1]].keys() and len(by_model[names[0]]) == 4
     for key, s in by_model[names[0]].items():
         assert s["answer"] == by_model[names[1]][key]["answer"]
-        assert s["correct"] == exact_match(s["prediction"], s["answer"])
+        assert s["correct"] == exact_match(s["prediction"], s["answer"]) and not s["correct"]
 
     report = (out / "report.md").read_text()
     assert "| teacher:tiny | student |" in report and "## Skipped" in report and "--memory-limit" in report

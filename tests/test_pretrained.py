@@ -127,3 +127,27 @@ def test_greedy_continuation_names_paris(teacher, batch):
     ids, lengths, logits = batch
     first = int(logits[4, lengths[4] - 1].argmax())
     assert "Paris" in tok.decode([first])
+
+
+def test_the_teacher_answers_needles_it_is_known_to_answer(tmp_path):
+    """The evaluation's NIAH scoring on an outcome known in advance: the real teacher answers every needle at 512
+    tokens (100 of 100 prompts in the recipe comparison, bench/RESULTS.md), so here every prompt is correct and the
+    cell's accuracy is 1; each sample's flag is its prediction holding the needle's value."""
+    import json
+
+    from hydrahead_jax.evaluation import cli
+
+    haystack = tmp_path / "haystack.txt"
+    haystack.write_text("\n\n".join([PARAGRAPH, HELD_OUT_ENCYCLOPEDIC, HELD_OUT_NEWS] * 3))
+    out = tmp_path / "eval"
+    rc = cli.main(
+        ["--model", "teacher:smollm2-135m", "--suite", "niah", "--lengths", "512", "--depths", "0.1,0.9"]
+        + ["--samples", "2", "--haystack", str(haystack), "--out", str(out), "--no-progress"]
+    )
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    cells = [r for r in res["results"] if r["task"] == "niah"]
+    assert sorted(r["depth"] for r in cells) == [0.1, 0.9]
+    assert all(r["n"] == 2 and r["value"] == 1.0 for r in cells), cells
+    samples = [s for s in res["samples"] if s["task"] == "niah"]
+    assert len(samples) == 4 and all(s["correct"] and s["answer"] in s["prediction"] for s in samples), samples
