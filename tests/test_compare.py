@@ -515,3 +515,25 @@ def test_report_gives_each_single_run_retrieval_cell_its_wilson_interval():
     text = render_markdown(results, summary_rows(results), [])
     assert "| 50 % [40, 60] | 0 % [0, 7] |" in text
     assert "Teacher retrieval: niah@512 100 % [96, 100], passkey@512 70 % [56, 81]" in text
+    assert "Answer NLL" not in text  # evaluated before answers were scored: no table
+
+
+def test_report_tables_the_answer_nll_of_each_group_and_the_teacher():
+    """Answer NLL cells ("answer_nll:niah@512") are not retrieval accuracies: they get their own table, a group's
+    mean ± sample spread (2.2 and 2.6: 2.4 ± 0.283), the teacher's row first."""
+    runs = [
+        {"name": f"r{i}", "group": "r", "overrides": {}, "curve_source": "train", "final": {"data": {}, "suite": s}}
+        for i, s in enumerate(
+            ({"niah@512": 0.0, "answer_nll:niah@512": 2.2}, {"niah@512": 0.0, "answer_nll:niah@512": 2.6})
+        )
+    ]
+    results = {
+        "workdir": "w",
+        "eval": {"samples": 50, "depths": [0.1, 0.9]},
+        "teacher": {"suite": {"niah@512": 1.0, "answer_nll:niah@512": 0.05}},
+        "variants": runs,
+    }
+    rows = summary_rows(results)
+    text = render_markdown(results, rows, [])
+    assert "| variant | niah@512 |\n|---|---|\n| teacher | 0.05 |\n| r | 2.4 ± 0.283 |" in text
+    assert "answer_nll" not in text.split("Answer NLL")[0]  # not a column of the accuracy table

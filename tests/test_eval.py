@@ -5,6 +5,7 @@ tiny random models (a plain decoder saved as a Hugging Face folder, and a HydraH
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -278,6 +279,29 @@ def test_greedy_generation_through_the_cache_matches_full_recomputation(world):
     assert gen.prefill_bytes > 0 and len(gen.decode_s) == 5
 
 
+def test_teacher_forced_answer_scores_match_a_full_forward_pass(world):
+    """generate(..., score_ids=a): log p(a_j | prompt, a_<j) from the decode cache equals the log-softmax of one
+    full causal pass over prompt + a (no cache), for the teacher and for a hybrid whose GDN state is in the cache;
+    the greedy tokens are those of a generation without scoring (the scoring steps run on a copy of the cache)."""
+    from hydrahead_jax.hybrid import HeadMap, build_student
+
+    cfg = world["cfg"]
+    hybrid = build_student(world["teacher"], HeadMap.from_fa_groups(cfg, [[0], []], method="test"))
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, cfg.vocab_size, (1, 23)).astype(np.int32)
+    answer = rng.integers(0, cfg.vocab_size, (1, 5)).astype(np.int32)
+    for name, model in (("teacher", world["teacher"]), ("hybrid", hybrid)):
+        runner = Runner(model)
+        scored = runner.generate(prompt, 6, score_ids=answer)
+        np.testing.assert_array_equal(scored.tokens, runner.generate(prompt, 6).tokens, err_msg=name)
+        lp = _np_log_softmax(full_logits(model, np.concatenate([prompt, answer[:, :-1]], axis=1)))[0, 22:]
+        want = lp[np.arange(5), answer[0]]
+        assert want.min() < -1.0  # random tokens: far from certain, so the check is not of values near 0
+        # measured (2026-12-03): at most 2.1e-6 nats apart (teacher; hybrid 1.0e-6), the f32 cache path against
+        # the f32 full pass
+        np.testing.assert_allclose(scored.score_logprobs[0], want, rtol=0, atol=6e-6, err_msg=name)
+
+
 def test_cache_sizes_of_the_teacher_by_hand(world):
     cfg = world["cfg"]
     sizes = tasks.cache_sizes(world["teacher"], 300)
@@ -349,6 +373,11 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
         for depth in (0.0, 1.0):
             (r,) = find(model=name, task="niah", length=256, depth=depth)
             assert r["n"] == 1 and r["seeds"] == [0] and r["value"] == 0.0
+            # the cell's answer NLL is its one prompt's (a random model: far from 0 nats per token)
+            (sample,) = [
+                x for x in res["samples"] if x["model"] == name and x["task"] == "niah" and x["target_depth"] == depth
+            ]
+            assert r["answer_nll"] == sample["answer_nll"] > 1.0 and r["answer_nll_ci95"] == [r["answer_nll"]] * 2
         for task in ("passkey", "kv"):
             (r,) = find(model=name, task=task, length=256)
             assert r["value"] == 0.0
@@ -386,6 +415,7 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
 
     report = (out / "report.md").read_text()
     assert "| teacher:tiny | student |" in report and "## Skipped" in report and "--memory-limit" in report
+    assert "Answer NLL" in report
     for png in (
         "niah_heatmap_teacher_tiny.png",
         "niah_heatmap_student.png",
@@ -508,3 +538,20 @@ def test_report_pools_niah_depths_with_a_wilson_interval():
     np.testing.assert_allclose(pooled["ci95"], (0.219, 0.396), atol=1e-3)  # Wilson 30 / 100 by hand
     assert _fmt_record(pooled, "pct") == "30% [22–40]"
     assert pooled_accuracy([]) is None
+
+
+def test_report_pools_answer_nll_over_depths_with_a_bootstrap_interval():
+    """Two depths of one length pooled: the mean of the four prompts' NLLs, (1 + 3 + 2 + 2) / 4 = 2.00, inside
+    its percentile-bootstrap interval, which lies within the values' range [1, 3]; a model without scored samples
+    shows '–', and a task without any gives no rows."""
+    from hydrahead_jax.evaluation.report import answer_nll_rows
+
+    samples = [
+        {"model": "a", "task": "niah", "nominal_length": 512, "target_depth": d, "answer_nll": x}
+        for d, x in ((0.1, 1.0), (0.1, 3.0), (0.9, 2.0), (0.9, 2.0))
+    ]
+    samples.append({"model": "b", "task": "niah", "nominal_length": 512, "target_depth": 0.1, "answer_nll": None})
+    ((length, cell_a, cell_b),) = answer_nll_rows(samples, "niah", ["a", "b"])
+    mean, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+)–([\d.]+)\]", cell_a).groups())
+    assert (length, mean, cell_b) == ("512", 2.0, "–") and 1.0 <= lo < 2.0 < hi <= 3.0
+    assert answer_nll_rows(samples, "passkey", ["a", "b"]) == []

@@ -60,6 +60,10 @@ def aggregate(suite) -> list[dict]:
             "needle_type": suite.settings.needle_type,
             "decoding": "greedy, through the decode cache",
         }
+        nll = [r["answer_nll"] for r in rs if r.get("answer_nll") is not None]
+        if len(nll) == len(rs):  # the answer's teacher-forced NLL (tasks.retrieval), mean over the cell's prompts
+            rec["answer_nll"] = float(np.mean(nll))
+            rec["answer_nll_ci95"] = list(bootstrap_interval(nll))
         if depth is not None:
             rec["depth"] = depth
         records.append(rec)
@@ -236,6 +240,27 @@ def pooled_accuracy(records: list[dict]) -> dict | None:
     return {"value": k / n, "n": n, "ci95": list(wilson_interval(k, n))}
 
 
+def answer_nll_rows(samples: list[dict], task: str, names: list[str]) -> list[list[str]]:
+    """Rows [length, one 'mean [lo–hi]' per model] of the answer NLL of ``task``'s samples, every depth of a
+    length pooled (a 95 % percentile bootstrap over prompts); [] when no sample of the task carries one."""
+    by_cell = defaultdict(list)
+    for r in samples:
+        if r["task"] == task and r.get("answer_nll") is not None:
+            by_cell[(r["nominal_length"], r["model"])].append(r["answer_nll"])
+    rows = []
+    for length in sorted({length for length, _ in by_cell}):
+        row = [str(length)]
+        for name in names:
+            values = by_cell.get((length, name))
+            if values:
+                lo, hi = bootstrap_interval(values)
+                row.append(f"{np.mean(values):.2f} [{lo:.2f}–{hi:.2f}]")
+            else:
+                row.append("–")
+        rows.append(row)
+    return rows
+
+
 def _fmt_record(record: dict, kind: str) -> str:
     """The value, with its 95 % interval in brackets when the record has one (``ci95``)."""
     text = _fmt(record["value"], kind)
@@ -329,6 +354,16 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
                 )
             n = sorted({r["n"] for r in task_recs})
             lines += [f"n = {', '.join(map(str, n))} prompt(s) per cell; Wilson 95 % intervals in brackets.", ""]
+            nll_rows = answer_nll_rows(results.get("samples", []), task, names)
+            if nll_rows:
+                lines += [
+                    "Answer NLL: −log p of the answer's tokens given the prompt, teacher-forced, nats per token, "
+                    "mean over the length's prompts (every depth) with a 95 % bootstrap interval. Unlike exact "
+                    "match it grades a partial read; for a random number needle, a model that sees digits follow "
+                    "but not which ones scores about ln 10 = 2.3 per digit.",
+                    "",
+                ]
+                lines += _table(["length"] + names, nll_rows)
         lines += [f"![{p}]({p})" for p in plots.get("retrieval", [])] + [""]
 
     ppl = [r for r in recs if r["task"] == "ppl"]

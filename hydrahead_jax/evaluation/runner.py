@@ -134,6 +134,7 @@ class Generation:
     decode_s: list[float]  # wall time of each decode step after the first token
     prefill_bytes: int | None  # compiled need of prefill
     decode_bytes: int | None  # compiled need of one decode step
+    score_logprobs: np.ndarray | None = None  # float64 [B, n]: log p(score_ids[:, j] | prompt, score_ids[:, :j])
 
 
 class Runner:
@@ -252,16 +253,30 @@ class Runner:
     # -- generation --------------------------------------------------------------------------------------
 
     def generate(
-        self, prompt_ids: np.ndarray, max_new_tokens: int, *, eos_id: int | None = None, cache_len: int | None = None
+        self,
+        prompt_ids: np.ndarray,
+        max_new_tokens: int,
+        *,
+        eos_id: int | None = None,
+        cache_len: int | None = None,
+        score_ids: np.ndarray | None = None,
     ) -> Generation:
-        """Greedy continuation of equal-length prompts [B, T] through the model's decode cache."""
+        """Greedy continuation of equal-length prompts [B, T] through the model's decode cache.
+
+        ``score_ids`` [B, n] (optional): also score this continuation teacher-forced,
+        ``score_logprobs[:, j] = log p(score_ids[:, j] | prompt, score_ids[:, :j])``: the first from the prefill's
+        logits, the rest from n − 1 decode steps on a copy of the prefilled cache (so the greedy continuation is
+        unchanged, and the score costs n − 1 decode steps rather than another prefill)."""
         ids = np.asarray(prompt_ids, np.int32)
         if ids.ndim == 1:
             ids = ids[None]
         b, t = ids.shape
-        cache_len = cache_len or cache_len_for(t + max_new_tokens)
-        if cache_len < t + max_new_tokens:
-            raise ValueError(f"cache_len={cache_len} cannot hold {t} prompt + {max_new_tokens} new tokens.")
+        n_score = 0 if score_ids is None else np.asarray(score_ids).shape[-1]
+        cache_len = cache_len or cache_len_for(t + max(max_new_tokens, n_score))
+        if cache_len < t + max(max_new_tokens, n_score):
+            raise ValueError(
+                f"cache_len={cache_len} cannot hold {t} prompt + {max(max_new_tokens, n_score)} new tokens."
+            )
         head = t - t % self.sequence_parts  # the prefilled tokens; the rest are fed as decode steps (module doc)
         prefill, prefill_bytes = self.prefill_executable(b, head, cache_len) if head else (None, None)
         decode, decode_bytes = self.decode_executable(b, cache_len)
@@ -272,6 +287,7 @@ class Runner:
         for i in range(head, t):
             logits, cache = self._call(decode, self.state, jnp.asarray(ids[:, i]), cache)
         prefill_s = time.perf_counter() - start
+        scores = None if score_ids is None else self._score(decode, logits, cache, score_ids)
         times = []
 
         def timed_step(token, cache):
@@ -281,7 +297,20 @@ class Runner:
             return out
 
         tokens = decode_loop(logits, cache, timed_step, max_new_tokens, eos_id=eos_id)
-        return Generation(tokens, prefill_s, times, prefill_bytes, decode_bytes)
+        return Generation(tokens, prefill_s, times, prefill_bytes, decode_bytes, scores)
+
+    def _score(self, decode, logits, cache, score_ids) -> np.ndarray:
+        """Teacher-forced log-probs [B, n] of ``score_ids`` after the prefill's ``logits`` and ``cache`` (which
+        stays as it is: the steps run on a copy, the decode step donating it)."""
+        score_ids = np.asarray(score_ids, np.int32).reshape(logits.shape[0], -1)
+        cache = jax.tree.map(jnp.copy, cache)
+        out = []
+        for j in range(score_ids.shape[1]):
+            lp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), np.float64)
+            out.append(lp[np.arange(lp.shape[0]), score_ids[:, j]])
+            if j + 1 < score_ids.shape[1]:
+                logits, cache = self._call(decode, self.state, jnp.asarray(score_ids[:, j]), cache)
+        return np.stack(out, axis=1)
 
     # -- scoring text --------------------------------------------------------------------------------------
 

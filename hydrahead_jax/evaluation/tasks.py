@@ -21,11 +21,14 @@ from hydrahead_jax.evaluation.scoring import exact_match, normalize_words
 
 
 def retrieval(runner: Runner, tok, example, *, answer_margin: int = 2) -> dict:
-    """Greedy answer to one synthetic prompt through the decode cache, scored by exact match."""
+    """Greedy answer to one synthetic prompt through the decode cache, scored by exact match, and the answer's
+    teacher-forced likelihood: ``answer_nll`` = −(1/n) Σ_j log p(a_j | prompt, a_<j) over the n answer tokens, in
+    nats per token. Exact match is all or nothing; the NLL tells a model that reads the needle partly (or not at
+    all: for a random 7-digit needle, chance is about ln 10 = 2.3 nats per digit) from one that reads it."""
     words = len(normalize_words(example.answer_text))
     # room for the answer plus a separator per listed value and a little slack
     max_new = len(example.answer_ids) + words + answer_margin
-    gen = runner.generate(example.prompt_ids[None], max_new, eos_id=tok.eos_id)
+    gen = runner.generate(example.prompt_ids[None], max_new, eos_id=tok.eos_id, score_ids=example.answer_ids[None])
     ids = [int(t) for t in gen.tokens[0]]
     if tok.eos_id is not None and tok.eos_id in ids:
         ids = ids[: ids.index(tok.eos_id)]
@@ -37,6 +40,8 @@ def retrieval(runner: Runner, tok, example, *, answer_margin: int = 2) -> dict:
         "answer": example.answer_text,
         "prediction": prediction,
         "correct": bool(exact_match(prediction, example.answer_text)),
+        "answer_nll": float(-gen.score_logprobs[0].mean()),
+        "answer_tokens": int(len(example.answer_ids)),
         "prefill_s": gen.prefill_s,
     }
 

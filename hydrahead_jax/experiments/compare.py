@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from hydrahead_jax.config import ConfigError
+from hydrahead_jax.experiments.report import ANSWER_NLL
 from hydrahead_jax.run_config import PROBE_METHODS, SELECT, STAGES, RunConfig
 
 STAGE_ORDER = (SELECT,) + tuple(s.name for s in STAGES)
@@ -470,8 +471,12 @@ def suite_metrics(
             continue
         if rec["metric"] == "accuracy" and "depth" not in rec:
             out[f"{rec['task']}@{rec['length']}"] = rec["value"]
+            if "answer_nll" in rec:
+                out[f"{ANSWER_NLL}{rec['task']}@{rec['length']}"] = rec["answer_nll"]
         elif rec["metric"] == "accuracy":  # NIAH: one record per depth; the length's accuracy is their mean
             out.setdefault(f"_{rec['task']}@{rec['length']}", []).append(rec["value"])
+            if "answer_nll" in rec:
+                out.setdefault(f"_{ANSWER_NLL}{rec['task']}@{rec['length']}", []).append(rec["answer_nll"])
         elif rec["metric"] in ("perplexity", "kl", "top1"):
             out[f"{'ppl' if rec['metric'] == 'perplexity' else rec['metric']}/{rec['source']}"] = rec["value"]
     for key in [k for k in out if k.startswith("_")]:

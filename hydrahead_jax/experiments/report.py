@@ -17,6 +17,9 @@ from typing import Any
 from hydrahead_jax.evaluation.intervals import wilson_interval
 
 RETRIEVAL_PREFIXES = ("niah@", "passkey@", "multikey@", "multivalue@", "kv@", "vt@")
+# Key prefix of a retrieval cell's mean answer NLL in a variant's flattened suite ("answer_nll:niah@512" beside the
+# cell's accuracy "niah@512"): the answer's teacher-forced NLL in nats per token (evaluation.tasks.retrieval).
+ANSWER_NLL = "answer_nll:"
 
 
 def headline(evaluation: dict) -> dict[str, Any]:
@@ -79,7 +82,11 @@ def summary_rows(results: dict) -> list[dict[str, Any]]:
                     "retrieval": h["retrieval"],
                     "seconds": sum((v.get("stage_seconds") or {}).values()),
                     "tokens": sum((v.get("stage_tokens") or {}).values()),
-                    **{k: val for k, val in (final.get("suite") or {}).items() if k.startswith(RETRIEVAL_PREFIXES)},
+                    **{
+                        k: val
+                        for k, val in (final.get("suite") or {}).items()
+                        if k.startswith(RETRIEVAL_PREFIXES + (ANSWER_NLL,))
+                    },
                 }
             )
         keys = list(dict.fromkeys(k for p in per for k in p))
@@ -175,6 +182,7 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
     if teacher_retrieval:
         cells = (f"{k} {_fmt_accuracy(v, prompts_per_cell(k, eval_settings))}" for k, v in teacher_retrieval.items())
         lines += ["", "Teacher retrieval: " + ", ".join(cells)]
+    lines += answer_nll_table(results, rows)
     lines += heldout_table(results)
     lines += ["", "## Variants", ""]
     for v in results["variants"]:
@@ -199,6 +207,28 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def answer_nll_table(results: dict, rows: list[dict]) -> list[str]:
+    """report.md's table of the retrieval cells' answer NLL (mean ± s over a group's runs), the teacher's first;
+    [] when no run has one (evaluated before the suite scored answers)."""
+    keys = sorted({k for r in rows for k in r if k.startswith(ANSWER_NLL)})
+    if not keys:
+        return []
+    teacher = (results.get("teacher") or {}).get("suite") or {}
+    lines = [
+        "",
+        "Answer NLL (−log p of the needle's tokens given the prompt, teacher-forced, nats per token, mean over the "
+        "cell's prompts; exact match is all or nothing, this grades a partial read: for a random number needle a "
+        "model that knows digits follow but not which scores about ln 10 = 2.3 per digit):",
+        "",
+        "| variant | " + " | ".join(k[len(ANSWER_NLL) :] for k in keys) + " |",
+        "|" + "---|" * (len(keys) + 1),
+    ]
+    if any(k in teacher for k in keys):
+        lines.append("| teacher | " + " | ".join(_fmt(teacher.get(k)) for k in keys) + " |")
+    lines += [f"| {r['group']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return lines
 
 
 def heldout_table(results: dict) -> list[str]:
