@@ -20,7 +20,9 @@ from lr 0, one learning rate per stage, synthetic rows with loss on their answer
     warmup            warm-up over 10 % of each stage's steps from 0.1 · lr (instead of a fixed count from 0)
     lr_groups         stages 2-3: the copied non-attention weights (MLPs, norms, embeddings) at 0.1 · lr
     retrieval_rows    stage 3's synthetic rows with the KL/CE over the whole row (synthetic_loss="full")
-    combined          all of the above
+    combined          all of the above (not window64)
+    window64          beyond the paper: fusion_la_scale with each LA head also attending to its first 4 and last 64
+                      tokens with its teacher head's softmax, the fused GDN heads added (HybridConfig.la_window)
 
 Retrieval is evaluated with power: NIAH at 2 depths × 50 prompts (100 per length), passkey and key-value 50 per
 length, at 512 and 1K tokens; report.md gives each accuracy with its Wilson 95 % interval. The teacher's
@@ -56,6 +58,8 @@ def get_config(arg: str | None = None):
     for changes in _CHANGES.values():
         combined.update(changes)
     c.variants.append({"name": "combined", "overrides": combined})
+    window = {**_CHANGES["fusion_la_scale"], "hybrid.la_window": 64, "hybrid.la_sinks": 4}
+    c.variants.append({"name": "window64", "overrides": window})
     c.eval.suite = "niah,passkey,kv,ppl,agreement"
     c.eval.samples = 50
     return c

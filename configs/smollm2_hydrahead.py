@@ -10,7 +10,9 @@ paper-scale recipe is configs/qwen3_1p7b_hydrahead.py.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
 "layerwise_3to1", "random_7to1", "yarn4" (the 7:1 student whose FA heads take YaRN x4 from stage 3 on: the
-teacher's 8192 positions stretched to 32768, carried into the export).
+teacher's 8192 positions stretched to 32768, carried into the export), "streaming64" (beyond the paper: each LA head
+also attends to its first 4 and last 64 tokens with its teacher head's softmax, the GDN heads added through the
+fusion; HybridConfig.la_window).
 """
 
 from configs.common import base, stage
@@ -107,10 +109,14 @@ def _variant(c, arg: str):
         c.selection.ratio = arg.split("_", 1)[1].replace("to", ":")
     elif arg == "yarn4":
         c.stage3.rope_scaling = "yarn:4"
+    elif arg == "streaming64":
+        c.hybrid.la_window = 64
+        c.hybrid.la_sinks = 4
     elif arg.startswith("random_"):
         c.selection.method = "random"
         c.selection.ratio = arg.split("_", 1)[1].replace("to", ":")
     else:
         raise ValueError(
-            f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1', 'random_7to1' or 'yarn4'."
+            f"unknown variant {arg!r}; use '', '25pct', 'layerwise_7to1', 'layerwise_3to1', 'random_7to1', 'yarn4' "
+            "or 'streaming64'."
         )

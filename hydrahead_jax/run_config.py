@@ -468,6 +468,12 @@ class RunConfig:
         """Under context parallelism over ``sequence`` devices every stage's rows split into 2 × sequence equal
         chunks (the load-balanced zig-zag order gives each device an early and a late chunk). Training rows are
         never padded: padded tokens would still cost every layer's compute and memory."""
+        if sequence > 1 and self.hybrid.la_window:
+            raise ConfigError(
+                f"config.hybrid.la_window={self.hybrid.la_window}: the LA heads' window attention has no "
+                f"context-parallel form yet, and mesh.sequence={sequence}. Fix: --config.mesh.sequence=1, or "
+                "--config.hybrid.la_window=0."
+            )
         parts = 2 * sequence
         for stage in STAGES:
             seq_len = self.stage(stage).seq_len

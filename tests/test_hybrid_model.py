@@ -458,6 +458,7 @@ VARIANTS = {
     "hydrahead": [[0, 1], [], [1]],  # per-layer FA counts 2, 0, 1
     "layerwise": "layerwise",  # FA layer 2 only; LA layers with RoPE, la_only channel fusion
     "all_la": [[], [], []],
+    "streaming": [[0, 1], [], [1]],  # the LA heads with window attention (8 recent + 2 sink tokens) as well
 }
 
 
@@ -473,11 +474,10 @@ def test_prefill_plus_decode_equals_full_forward(variant):
             if spec == "layerwise"
             else HeadMap.from_fa_groups(CFG, spec, method="test")
         )
-        hc = (
-            HybridConfig(la_rope=True, fusion="la_only", fusion_granularity="channel")
-            if spec == "layerwise"
-            else HybridConfig()
-        )
+        hc = {
+            "layerwise": HybridConfig(la_rope=True, fusion="la_only", fusion_granularity="channel"),
+            "streaming": HybridConfig(la_window=8, la_sinks=2, fusion_init="fit", fusion_bias=True),
+        }.get(variant, HybridConfig())
         model = build_student(teacher, hm, hc)
         perturb(model, new_param_filter, 9, scale=0.5)  # non-trivial decays, gates, conv taps and scales
     prompt = ids_of((2, 66), seed=5)  # prefill crosses the chunk boundary at 64

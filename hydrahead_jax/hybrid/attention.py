@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.hybrid import window as streaming
 from hydrahead_jax.hybrid.config import HybridConfig
 from hydrahead_jax.hybrid.gdn import (
     GatedDeltaNetHeads,
@@ -63,6 +64,7 @@ from hydrahead_jax.hybrid.gdn import (
     take_la_groups,
 )
 from hydrahead_jax.models.attention import Attention, HeadProbe, LayerCache, check_segments
+from hydrahead_jax.models.kernel_sharding import sequence_axes
 from hydrahead_jax.models.layers import rms_normalize
 
 
@@ -323,10 +325,17 @@ class HydraHeadAttention(Attention):
         )
         if cache is not None:
             new_cache.update(la_cache)
+        o_window = None
+        if self.hybrid_cfg.la_window:
+            o_window, window_cache = self._window(q, k, v, f, positions, cache, cache_index, segment_ids)
+            if cache is not None:
+                new_cache.update(window_cache)
         if self.hybrid_cfg.fusion in ("la_scale", "la_only"):  # the FA heads pass through as the teacher's
             if not fuse:
                 return o_la, None
             o_la = self.fusion(o_la)
+        if o_window is not None:  # la_window: the window attention plus the fused GDN heads (HybridConfig)
+            o_la = o_window + o_la.astype(jnp.float32)
         parts.append(o_la.astype(q.dtype))
         out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
         if self.hybrid_cfg.fusion == "both":
@@ -334,6 +343,35 @@ class HydraHeadAttention(Attention):
                 return out, None
             out = self.fusion(out)
         return out, new_cache
+
+    def window_outputs(self, x: jax.Array, positions: jax.Array, kind: int | None = None) -> jax.Array | None:
+        """The LA heads' window attention [B,T,H_LA,D] float32 of a layer of this kind (no cache), or None without
+        ``la_window``: the part of the LA heads' output the fusion's fit leaves out of its target."""
+        kind = self.resolve_kind(kind)
+        if not self.is_hybrid(kind) or not self.hybrid_cfg.la_window:
+            return None
+        q, k, v = self.project_heads(x)
+        return self._window(q, k, v, kind, positions, None, None, None)[0]
+
+    def _window(self, q, k, v, f: int, positions, cache, cache_index, segment_ids):
+        """(window attention of the LA heads, their new window cache or None): q, k, v before RoPE, every head."""
+        hc, fa_heads = self.hybrid_cfg, f * self.cfg.group_size
+        q_la, k_la = self.rope(q[:, :, fa_heads:], positions), self.rope(k[:, :, f:], positions)
+        v_la = v[:, :, f:]
+        size = dict(window=hc.la_window, sinks=hc.la_sinks)
+        if cache is not None and q.shape[1] == 1:
+            return streaming.decode_step(q_la, k_la, v_la, cache, cache_index, scale=self.scale, **size)
+        if q.shape[1] > 1 and sequence_axes():
+            raise ValueError(
+                "HybridConfig.la_window runs on whole rows: it has no context-parallel form yet; run with "
+                "mesh.sequence=1, or la_window=0."
+            )
+        out = streaming.streaming_attention(
+            q_la, k_la, v_la, scale=self.scale, positions=positions, segment_ids=segment_ids, **size
+        )
+        if cache is None:
+            return out, None
+        return out, streaming.fill_cache(cache, k_la, v_la, **size)
 
     def init_cache(self, batch: int, max_len: int, dtype, kind: int | None = None) -> LayerCache:
         """Cache of a layer of this kind: k, v [B, max_len, kind, D] for its FA groups (none when every group is
@@ -347,6 +385,11 @@ class HydraHeadAttention(Attention):
             cache.update(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
         n = self.cfg.num_kv_heads - kind  # the cache depends on shapes only: an abstract module of n groups
         cache.update(abstract_gdn_heads(self.cfg, self.hybrid_cfg, n).init_cache(batch, dtype))
+        if self.hybrid_cfg.la_window:
+            hc = self.hybrid_cfg
+            cache.update(
+                streaming.init_cache(batch, n, self.cfg.head_dim, window=hc.la_window, sinks=hc.la_sinks, dtype=dtype)
+            )
         return cache
 
 

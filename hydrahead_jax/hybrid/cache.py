@@ -4,7 +4,8 @@ Per layer l with n_FA(l) FA groups and H_LA(l) = (G_total − n_FA(l))·(Hq/Hkv)
 
     kv_bytes_per_token = batch · Σ_l 2 · n_FA(l) · D · itemsize(dtype)                  (k and v)
     state_bytes        = batch · Σ_l [H_LA(l) · D · D · 4                                (fp32 GDN state)
-                                      + (conv_size − 1) · (H_LA(l) + 2 n_LA(l)) · D · itemsize]   (conv state)
+                                      + (conv_size − 1) · (H_LA(l) + 2 n_LA(l)) · D · itemsize    (conv state)
+                                      + 2 · (la_sinks + la_window) · n_LA(l) · D · itemsize]       (window, if on)
     total_bytes        = kv_bytes_per_token · context_len + state_bytes
 
 These are exactly the sizes of the arrays ``model.init_cache(batch, context_len, dtype)`` allocates (less the
@@ -72,5 +73,7 @@ def cache_bytes(
         state += h_la * d * d * 4
         if hc.use_conv:
             state += (hc.conv_size - 1) * (h_la + 2 * n_la) * d * itemsize
+        if hc.la_window:  # the window attention's sinks and ring of keys and values
+            state += 2 * (hc.la_sinks + hc.la_window) * n_la * d * itemsize
     kv, state = kv * batch, state * batch
     return {"kv_bytes_per_token": kv, "state_bytes": state, "total_bytes": kv * context_len + state}

@@ -134,6 +134,9 @@ def _fusion_fits(teacher_graphdef, teacher_state, student_graphdef, student_stat
             return carry, (gamma, mu)
         target, _ = Attention.head_outputs(attn, x, positions)  # [B,T,Hq,D], before o_proj
         target = target[:, :, target.shape[2] - used :]
+        window = attn.window_outputs(x, positions, kind)
+        if window is not None:  # la_window: the fused GDN heads fit what the window attention leaves
+            target = target - window
         n = attn.fusion_inputs(x, positions, kind)
         if attn.fusion.normalize:
             n = rms_normalize(n, attn.fusion.eps)
