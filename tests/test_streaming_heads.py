@@ -156,3 +156,12 @@ def test_a_run_with_window_heads_under_a_sequence_mesh_is_refused_before_any_wor
     run.check_sequence_split(1)  # one device along the sequence: fine
     with pytest.raises(ConfigError, match="--config.mesh.sequence=1, or --config.hybrid.la_window=0"):
         run.check_sequence_split(2)
+
+
+def test_the_option_off_leaves_the_recorded_config_as_before_it_existed():
+    """A config without the window (the default) records no la_window / la_sinks, so runs, fingerprints and
+    comparison hashes made before the option existed still match; with it on, both are recorded and read back."""
+    off = HybridConfig().to_dict()
+    assert "la_window" not in off and "la_sinks" not in off and HybridConfig.from_dict(off) == HybridConfig()
+    on = HybridConfig(la_window=64, la_sinks=4, fusion_init="fit")
+    assert on.to_dict()["la_window"] == 64 and HybridConfig.from_dict(on.to_dict()) == on

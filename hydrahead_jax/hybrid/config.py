@@ -14,6 +14,8 @@ FUSIONS = ("none", "la_scale", "la_only", "both")
 FUSION_GRANULARITIES = ("head", "channel")
 FUSION_INITS = ("rms", "fit")
 GDN_INITS = ("spread", "teacher")
+# An option's switch field → the fields left out of ``HybridConfig.to_dict`` while the switch is off (falsy).
+OPTIONAL_WHEN_OFF = {"la_window": ("la_window", "la_sinks")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,15 @@ class HybridConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except those of an option that is off and that configs written before it existed lack
+        (``OPTIONAL_WHEN_OFF``): so the recorded config, the run's fingerprint and the comparison's hashes of a
+        run without the option stay what they were, and its workdirs and results resume and merge as before."""
+        out = dataclasses.asdict(self)
+        for switch, fields in OPTIONAL_WHEN_OFF.items():
+            if not out[switch]:
+                for name in fields:
+                    out.pop(name)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HybridConfig:
