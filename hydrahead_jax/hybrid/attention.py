@@ -36,7 +36,8 @@ heads output nearly a constant). ``both`` also renormalises the kept FA heads pe
 the teacher's heads (measured on the SmolLM2 demo student: bench/RESULTS.md); ``none`` leaves outputs untouched.
 
 Decode cache of a layer (``init_cache``): k, v [B, S, n_FA, D] for the FA groups; gdn_state [B, H_LA, D, D] fp32
-and, with the conv, conv_state [B, conv_size−1, C] for the LA groups (the model stacks it per kind).
+and, with the conv, conv_state [B, conv_size−1, C] for the LA groups, and with ``la_window`` their sinks and ring of
+recent keys and values win_k, win_v [B, la_sinks + la_window, n_LA, D] (the model stacks it per kind).
 
 A layer whose groups are all FA is the teacher's layer unchanged (no GDN, no fusion: its GDN and fusion slots stay
 zero and unused), whatever the HybridConfig says; its parameters are exactly the teacher's. The block subclasses
@@ -375,7 +376,8 @@ class HydraHeadAttention(Attention):
 
     def init_cache(self, batch: int, max_len: int, dtype, kind: int | None = None) -> LayerCache:
         """Cache of a layer of this kind: k, v [B, max_len, kind, D] for its FA groups (none when every group is
-        LA), plus, with LA groups, gdn_state [B, H_LA, D, D] fp32 and conv_state [B, conv_size−1, C]."""
+        LA), plus, with LA groups, gdn_state [B, H_LA, D, D] fp32 and conv_state [B, conv_size−1, C], and with
+        ``la_window`` win_k, win_v [B, la_sinks + la_window, n_LA, D] (hybrid/window.py)."""
         kind = self.resolve_kind(kind)
         if not self.is_hybrid(kind):
             return super().init_cache(batch, max_len, dtype)
