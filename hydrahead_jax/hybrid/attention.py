@@ -326,17 +326,15 @@ class HydraHeadAttention(Attention):
         )
         if cache is not None:
             new_cache.update(la_cache)
-        o_window = None
-        if self.hybrid_cfg.la_window:
-            o_window, window_cache = self._window(q, k, v, f, positions, cache, cache_index, segment_ids)
-            if cache is not None:
-                new_cache.update(window_cache)
         if self.hybrid_cfg.fusion in ("la_scale", "la_only"):  # the FA heads pass through as the teacher's
             if not fuse:
                 return o_la, None
             o_la = self.fusion(o_la)
-        if o_window is not None:  # la_window: the window attention plus the fused GDN heads (HybridConfig)
+        if self.hybrid_cfg.la_window:  # the window attention plus the fused GDN heads (la_window needs la_scale)
+            o_window, window_cache = self._window(q, k, v, f, positions, cache, cache_index, segment_ids)
             o_la = o_window + o_la.astype(jnp.float32)
+            if cache is not None:
+                new_cache.update(window_cache)
         parts.append(o_la.astype(q.dtype))
         out = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
         if self.hybrid_cfg.fusion == "both":

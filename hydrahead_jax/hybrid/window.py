@@ -114,7 +114,7 @@ def fill_cache(cache: dict, k: jax.Array, v: jax.Array, *, window: int, sinks: i
     t = k.shape[1]
     keep = np.arange(t)
     keep = keep[(keep < sinks) | (keep >= max(sinks, t - window))]
-    slots = np.where(keep < sinks, keep, sinks + (keep - sinks) % window)
+    slots = slot_of(keep, window=window, sinks=sinks)
     return {
         "win_k": cache["win_k"].at[:, slots].set(k[:, keep].astype(cache["win_k"].dtype)),
         "win_v": cache["win_v"].at[:, slots].set(v[:, keep].astype(cache["win_v"].dtype)),
