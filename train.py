@@ -158,7 +158,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; progress comes from the tqdm bars
     import jax
 
-    from hydrahead_jax.data.corpus import cache_dir
+    from hydrahead_jax.compilation import use_persistent_cache
     from hydrahead_jax.training.errors import USER_ERRORS
     from hydrahead_jax.training.pipeline import run_pipeline
     from hydrahead_jax.training.trainer import Preempted
@@ -177,11 +177,7 @@ def main(argv):
                 "--coordinator_address/--num_processes/--process_id are for a multi-process run; pass "
                 "--config.distributed=True as well, or drop them."
             )
-        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-            # Persistent compilation cache: a resumed (preempted) run, or the next stage with the same shapes,
-            # reuses compiled steps instead of paying minutes of XLA compilation again.
-            jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        use_persistent_cache()
         run_pipeline(
             run,
             _WORKDIR.value,

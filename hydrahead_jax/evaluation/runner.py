@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hydrahead_jax.compilation import executable_cache
 from hydrahead_jax.models.generate import decode_loop
 
 
@@ -87,7 +88,7 @@ def is_allocation_error(err: BaseException) -> bool:
 
 
 # (graphdef, parameter shapes, executable key) → compiled executable, shared by every Runner of this process.
-_EXECUTABLES: dict = {}
+_EXECUTABLES: dict = executable_cache()  # emptied by compilation.release_compiled
 
 
 # Jitted bodies; the graphdef is static, so one trace per (model structure, shapes).

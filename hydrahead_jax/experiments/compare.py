@@ -621,6 +621,8 @@ def _run_locked(
 ) -> None:
     """Probe, evaluate the teacher, then train and evaluate each of ``variants`` not finished yet (their files
     under ``workdir``; run_comparison reports them)."""
+    from hydrahead_jax.compilation import release_compiled
+
     print(f"[compare] {len(variants)} variants in {workdir}: {', '.join(v.name for v in variants)}", flush=True)
     models = _Models()
     teacher, tokenizer = models.teacher(base_run)
@@ -668,6 +670,7 @@ def _run_locked(
                 finally:
                     timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - t0, 1)
                     _write_json(vdir / "timings.json", timings)
+                    release_compiled()  # the stage's executables do not run again (compilation.py)
                 if stage == SELECT and not (vdir / "eval_init.json").exists():
                     init = _eval_at_init(models, variant, run, vdir, settings, ids)
                     _write_json(vdir / "eval_init.json", init)
@@ -675,6 +678,7 @@ def _run_locked(
                 _write_json(vdir / "eval_init.json", _eval_at_init(models, variant, run, vdir, settings, ids))
             final = _eval_final(models, variant, run, vdir, settings, ids)
             _write_json(vdir / "eval.json", {"config_hash": digest, **final})
+            release_compiled()
             if not keep_checkpoints:
                 freed = prune_checkpoints(vdir)
                 print(f"[compare] {variant.name}: stage checkpoints deleted ({freed / 2**30:.1f} GiB)", flush=True)
@@ -896,19 +900,6 @@ def variant_record(variant: Variant, run: RunConfig, vdir: Path, digest: str) ->
 # ------------------------------------------------------------------------------------------------ command line
 
 
-def _persistent_compilation_cache() -> None:
-    """As train.py: variants of one shape reuse each other's compiled steps instead of compiling again."""
-    import os
-
-    import jax
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        from hydrahead_jax.data.corpus import cache_dir
-
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def main(argv=None) -> int:
     from absl import app, flags
     from ml_collections import config_flags
@@ -937,10 +928,11 @@ def main(argv=None) -> int:
             raise app.UsageError(f"unexpected arguments {args[1:]}; options are given as --flag=value.")
         from absl import logging
 
+        from hydrahead_jax.compilation import use_persistent_cache
         from hydrahead_jax.training.errors import USER_ERRORS
 
         logging.set_verbosity(logging.WARNING)
-        _persistent_compilation_cache()
+        use_persistent_cache()
         from hydrahead_jax.training.trainer import Preempted
 
         try:

@@ -973,12 +973,12 @@ def main(argv=None) -> int:
             raise app.UsageError(f"unexpected arguments {args[1:]}; options are given as --flag=value.")
         from absl import logging
 
-        from hydrahead_jax.experiments.compare import _persistent_compilation_cache
+        from hydrahead_jax.compilation import use_persistent_cache
         from hydrahead_jax.training.errors import USER_ERRORS
         from hydrahead_jax.training.trainer import Preempted
 
         logging.set_verbosity(logging.WARNING)
-        _persistent_compilation_cache()
+        use_persistent_cache()
         study = quick_study() if quick.value else Study()
         target = Path(out.value) if out.value else (None if quick.value else Path("bench/results/reproduction"))
         try:

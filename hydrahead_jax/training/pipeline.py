@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from hydrahead_jax.compilation import release_compiled
 from hydrahead_jax.config import ConfigError, ModelConfig, with_rope_extension
 from hydrahead_jax.data.corpus import CorpusError, check_source
 from hydrahead_jax.data.protocol import check_tokenizer
@@ -282,6 +283,7 @@ def _run_locked(
     }
 
     head_map = select_heads(run.selection, teacher, tokenizer, cfg, workdir)
+    release_compiled()  # the probe's programs do not run again (compilation.py)
     if stages == [SELECT]:
         return None
     teacher_handle = TeacherHandle(teacher, mesh)
@@ -365,6 +367,7 @@ def _run_locked(
             workdir=workdir,
             logging_cfg=run.logging,
         )
+        release_compiled()  # nor do the stage's
     if STAGES[-1].name in stages:
         final = export_final(
             workdir / "final",
