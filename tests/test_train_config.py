@@ -34,6 +34,7 @@ def _recipe(name, arg=None):
         ("tiny", None),
         ("smollm2_hydrahead", None),
         ("smollm2_hydrahead", "layerwise_3to1"),
+        ("smollm2_hydrahead", "streaming64"),
         ("qwen3_1p7b_hydrahead", "7to1"),
     ],
 )
