@@ -182,8 +182,10 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     assert not (multi / "stage2_distil" / "DONE").exists(), "killed after stage 2 finished: not mid-stage"
     killed = _losses(multi)
     assert ("stage2_distil", "train", 2) in killed
+    # Two processes reduce over the 8 devices in another order than one: measured (2026-12-03, 2-core AMD EPYC),
+    # the largest relative difference of any logged loss is 1.7e-6, of any final parameter 2.1e-7 absolute.
     for key, loss in killed.items():  # what the killed run logged agrees with the reference
-        np.testing.assert_allclose(loss, expected[key], rtol=2e-4, atol=1e-6, err_msg=str(key))
+        np.testing.assert_allclose(loss, expected[key], rtol=1e-5, atol=0, err_msg=str(key))
 
     # The rerun resumes stage 2 from its checkpoint and finishes the recipe: every step's loss (those before the
     # resume point were logged by the killed run) and the exported model are the single-process run's.
@@ -194,9 +196,9 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     resumed = _losses(multi)
     assert resumed.keys() == expected.keys()
     for key in expected:
-        np.testing.assert_allclose(resumed[key], expected[key], rtol=2e-4, atol=1e-6, err_msg=str(key))
+        np.testing.assert_allclose(resumed[key], expected[key], rtol=1e-5, atol=0, err_msg=str(key))
     for got, want in zip(_final_params(multi), _final_params(single), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 def test_distributed_without_a_cluster_is_one_line_naming_the_fix(tmp_path):
