@@ -10,7 +10,8 @@ approximation p̂ ± z·sqrt(p̂(1−p̂)/n).
 
 Bootstrap over rows: the rows' values x_1 … x_R (one per held-out row: its mean over tokens, and its token count
 w_r), resampled with replacement B times (seeded); the interval is the 2.5 and 97.5 percentiles of the resampled
-token-weighted means Σ w x / Σ w. Rows, not tokens, are resampled: tokens of one row are not independent.
+token-weighted means Σ w x / Σ w. Rows, not tokens, are resampled: tokens of one row are not independent. One
+row has no spread to resample: it gets no interval (None), not the point (x, x), which would read as certainty.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 
 def bootstrap_interval(
     values, weights=None, *, resamples: int = 2000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
-    """Percentile-bootstrap interval (lo, hi) of the weighted mean Σ w x / Σ w over rows (module doc); one row
-    gives (x, x)."""
+) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval (lo, hi) of the weighted mean Σ w x / Σ w over rows (module doc); None for a
+    single row."""
     x = np.asarray(values, np.float64)
     w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
     if x.ndim != 1 or x.shape != w.shape or x.size == 0:
         raise ValueError(f"bootstrap_interval needs matching 1-D values and weights, got {x.shape} and {w.shape}.")
     if x.size == 1:
-        return float(x[0]), float(x[0])
+        return None
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, x.size, size=(resamples, x.size))
     means = np.sum(x[idx] * w[idx], axis=1) / np.sum(w[idx], axis=1)

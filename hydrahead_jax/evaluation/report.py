@@ -63,7 +63,8 @@ def aggregate(suite) -> list[dict]:
         nll = [r["answer_nll"] for r in rs if r.get("answer_nll") is not None]
         if len(nll) == len(rs):  # the answer's teacher-forced NLL (tasks.retrieval), mean over the cell's prompts
             rec["answer_nll"] = float(np.mean(nll))
-            rec["answer_nll_ci95"] = list(bootstrap_interval(nll))
+            ci = bootstrap_interval(nll)
+            rec["answer_nll_ci95"] = None if ci is None else list(ci)
         if depth is not None:
             rec["depth"] = depth
         records.append(rec)
@@ -96,10 +97,10 @@ def aggregate(suite) -> list[dict]:
             top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
             # bootstrap over windows (rows), each weighted by its token count
             sizes = [len(x) for x in parts["top1"]]
-            row_ci = {
-                name: list(bootstrap_interval([float(np.mean(x)) for x in parts[name]], sizes))
-                for name in ("top1", "kl")
-            }
+            row_ci = {}
+            for name in ("top1", "kl"):
+                ci = bootstrap_interval([float(np.mean(x)) for x in parts[name]], sizes)
+                row_ci[name] = None if ci is None else list(ci)
             records.append(
                 {
                     **base,
@@ -109,6 +110,7 @@ def aggregate(suite) -> list[dict]:
                     "ci95": row_ci["top1"],
                     "teacher": teacher,
                     "positions": int(top1.size),
+                    "windows": len(sizes),
                 }
             )
             records.append(
@@ -120,6 +122,7 @@ def aggregate(suite) -> list[dict]:
                     "ci95": row_ci["kl"],
                     "teacher": teacher,
                     "positions": int(kl.size),
+                    "windows": len(sizes),
                     "unit": "nats, KL(teacher || model)",
                 }
             )
@@ -252,9 +255,11 @@ def answer_nll_rows(samples: list[dict], task: str, names: list[str]) -> list[li
         row = [str(length)]
         for name in names:
             values = by_cell.get((length, name))
-            if values:
-                lo, hi = bootstrap_interval(values)
-                row.append(f"{np.mean(values):.2f} [{lo:.2f}–{hi:.2f}]")
+            ci = bootstrap_interval(values) if values else None
+            if ci is not None:
+                row.append(f"{np.mean(values):.2f} [{ci[0]:.2f}–{ci[1]:.2f}]")
+            elif values:
+                row.append(f"{np.mean(values):.2f}")
             else:
                 row.append("–")
         rows.append(row)
@@ -392,7 +397,13 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
 
     agree = [r for r in recs if r["task"] == "agreement"]
     if agree:
-        lines += [f"## Agreement with the teacher ({results['teacher']})", ""]
+        lines += [
+            f"## Agreement with the teacher ({results['teacher']})",
+            "",
+            "Means over every position of the held-out windows; in brackets a 95 % bootstrap interval over windows "
+            "(rows, weighted by their tokens), none where a source has a single window.",
+            "",
+        ]
         keys = sorted({(r["source"], r["length"]) for r in agree})
         for metric, kind, title in (("top1", "pct", "top-1 match"), ("kl", "num", "KL(teacher ‖ model), nats")):
             sub = [r for r in agree if r["metric"] == metric]
