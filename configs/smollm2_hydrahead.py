@@ -121,7 +121,8 @@ def _variant(c, arg: str):
         # stage 3's next-token loss trades KL to the teacher for CE on the data (0.067 → 0.097). Half the steps,
         # a tenth of stage 2's lr, and stage 3 distilled at 1K tokens instead. Measured with these (2026-12-03,
         # Intel Xeon 2-core box): every stage lowers the held-out KL (stage 1 0.0523 → 0.0510, stage 2 0.0601 →
-        # 0.0530, stage 3 0.0664 → 0.0638) in 22 min of stages (5.6 / 9.2 / 7.2).
+        # 0.0530, stage 3 0.0664 → 0.0638) in 22 min of stages (5.6 / 9.2 / 7.2; 14.4 min for --config.seed=1 an
+        # hour later on the same box, whose speed varied).
         c.stage1.steps = 50
         c.stage2.update(steps=20, lr=2e-5, warmup_steps=2)
         c.stage3.update(
