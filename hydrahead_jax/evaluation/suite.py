@@ -106,10 +106,10 @@ class Settings:
         agreement on 8 windows of 512 tokens per source, efficiency at 1–4K."""
         # NIAH at 2 depths × 50 seeds per length, so an accuracy's Wilson 95 % interval is at most ±10 points
         # (a result can tell the student from the teacher); on a 2-core CPU a prompt costs 2-6 s per model (the
-        # teacher's 600 prompts of the recipe comparison took 1174 s; the demo's 300 per model 1673 s for the
-        # streaming student and 1379 s for the teacher on a slower box). Eight 512-token windows per held-out source,
-        # so KL and top-1 get a bootstrap interval over windows (measured: 106 s for the demo's student, 11 s for the
-        # teacher); three efficiency points.
+        # teacher's 600 prompts of the recipe comparison took 1174 s; on 2026-12-03 the demo's 300 per model took
+        # 1673 s for the streaming student and 1379 s for the teacher). Eight 512-token windows per held-out
+        # source, so KL and top-1 get a bootstrap interval over windows (measured: 106 s for the demo's student,
+        # 11 s for the teacher); three efficiency points.
         base = dict(
             suites=PRESETS["demo"],
             retrieval_lengths=(512, 1024),

@@ -182,7 +182,8 @@ class HeadMap:
         whose m·G is nearest n, which may hold a little more or less KV cache than HydraHead (SmolLM2-135M, 30
         layers × 3 groups, 7:1: n = 11 → 3.67 layers → 4 layers = 12 groups); on a tie the fewer, so a tie never
         gives the baseline the larger cache (Qwen3-1.7B shape, 28 layers × 8 groups, 7:1: n = 28 → 3.5 layers → 3
-        layers = 24 groups); at least one layer for a non-zero ratio. ``budget`` records the target, the result and whether it is exact.
+        layers = 24 groups); at least one layer for a non-zero ratio. ``budget`` records the target, the result
+        and whether it is exact.
 
         Placement: when 1/f is an integer p (3:1 → 4, 7:1 → 8) and every p-th layer ending at the last one gives
         m layers (L−1, L−1−p, …), that periodic pattern of published layer-wise hybrids; otherwise m layers
