@@ -285,7 +285,13 @@ def teacher_part(study: Study, workdir: Path, paths: dict[str, Path]) -> Path:
         return folder / "hf"
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
     train = _read_texts(paths["articles"])
-    log(f"teacher: training {study.teacher.steps} steps of {study.teacher.batch_size} x {study.seq_len} tokens")
+    r = study.teacher
+    warmup = (
+        f"{r.recall_steps} steps of {r.recall_batch_size} x {r.recall_seq_len} MQAR tokens, then "
+        if r.recall_steps
+        else ""
+    )
+    log(f"teacher: training {warmup}{r.steps} steps of {r.batch_size} x {r.seq_len} tokens")
     t0 = time.perf_counter()
     result = train_teacher(study.teacher, tokenizer, train, folder, log=log)
     previous = _read_json(summary) or {}
@@ -860,8 +866,13 @@ def render(results: dict, plots: list[str]) -> str:
     lines.append(
         f"MQAR-{acc['pairs']} recall {acc['recall']:.4f}; with its {len(acc['ablated_groups'])} top probe-scored "
         f"KV groups ablated {acc['ablated_recall']:.4f}, with as many random groups {acc['random_ablated_recall']:.4f} "
-        f"(chance {acc['chance']:.4f}). Accepted: **{t['accepted']}**. Training: {training.get('steps')} steps, "
-        f"{training.get('tokens_per_second')} tokens/s, {training.get('wall_seconds_total')} s."
+        f"(chance {acc['chance']:.4f}). Accepted: **{t['accepted']}**. Training: {training.get('steps')} steps "
+        f"in {training.get('wall_seconds_total')} s"
+        + "".join(
+            f"; {phase}: {rates.get('tokens_per_second')} tokens/s"
+            for phase, rates in training.get("phases", {}).items()
+        )
+        + "."
     )
     lines += ["", "## Arms (base budget; mean ± sample std over seeds)", ""]
     lines += ["| arm | seeds | MQAR recall | KL | NIAH | KV bytes/token |", "|---|---|---|---|---|---|"]
@@ -923,24 +934,33 @@ def plot_recall(results: dict, out: Path) -> str:
 
 
 def measure_teacher(study: Study, workdir: Path, steps: int) -> dict[str, Any]:
-    """Train the study's teacher for ``steps`` steps in ``workdir/throughput`` (its own directory) and
-    extrapolate the whole training's wall time from the measured tokens per second, and from the tokens per CPU
-    second times the cores (what the machine alone would do at full parallel use: a lower bound on the time)."""
+    """Train the study's teacher for ``steps`` steps of each of its phases in ``workdir/throughput`` (its own
+    directory) and extrapolate the whole training's wall time from each phase's measured tokens per second, and
+    from its tokens per CPU second times the cores (what the machine alone would do at full parallel use: a lower
+    bound on the time)."""
     import dataclasses as dc
+
+    if steps < 2:
+        raise ConfigError(f"--measure_teacher_steps={steps}: the first step of a phase compiles; measure >= 2.")
 
     from hydrahead_jax.experiments.small_teacher import extrapolate, load_folder_tokenizer, train_teacher
 
     paths = prepare_data(study, workdir)
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
-    recipe = dc.replace(study.teacher, steps=steps, checkpoint_every=steps)
+    # each phase the recipe has, for ``steps`` steps: their tokens cost differently (row lengths differ)
+    recall_steps = steps if study.teacher.recall_steps else 0
+    recipe = dc.replace(study.teacher, recall_steps=recall_steps, steps=steps, checkpoint_every=steps)
     train = _read_texts(paths["articles"])
     import shutil
 
     shutil.rmtree(workdir / "throughput", ignore_errors=True)
     result = train_teacher(recipe, tokenizer, train, workdir / "throughput", log=log)
-    result["estimated_teacher_seconds"] = extrapolate(result["tokens_per_second"], study.teacher)
+    phases = result["phases"]
+    result["estimated_teacher_seconds"] = extrapolate(
+        {name: p["tokens_per_second"] for name, p in phases.items()}, study.teacher
+    )
     result["estimated_teacher_seconds_alone"] = extrapolate(
-        result["tokens_per_cpu_second"] * os.cpu_count(), study.teacher
+        {name: p["tokens_per_cpu_second"] * os.cpu_count() for name, p in phases.items()}, study.teacher
     )
     log(f"teacher throughput: {result}")
     return result

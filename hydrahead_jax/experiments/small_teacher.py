@@ -3,17 +3,27 @@
 Vocabulary: a byte-level BPE (``data.tiny_tokenizer.train_bpe_tokenizer``) trained on the corpus's training
 articles, plus the MQAR recall symbols (``data.mqar.MQARSymbols``) as whole tokens.
 
-Data: step s of training reads a batch that depends only on (seed, s), so a resumed run sees exactly the batches
-an uninterrupted one would. Each batch holds three kinds of rows of ``seq_len`` tokens, in fixed proportions:
+Training runs in two phases; step s of either reads a batch that depends only on (seed, s), so a resumed run sees
+exactly the batches an uninterrupted one would.
 
-* MQAR sequences (``data.mqar``) with a pair count drawn uniformly from 1 … ``max_pairs``,
-* key-value needles inside text: the product's synthetic retrieval prompts (``data.synthetic``: NIAH with number
-  and word needles, passkey, key-value retrieval) on a haystack of the training articles, followed by the answer,
-* windows of the training articles' token stream (documents joined by EOS).
+1. Recall warm-up (``recall_steps``): MQAR rows only, short (``recall_seq_len``) and many per step
+   (``recall_batch_size``), with a pair count drawn uniformly from ``recall_pairs``. A model that learns MQAR
+   first learns to predict any value seen in context (accuracy 1/n at n pairs) and leaves that plateau only when
+   its lookup circuit forms; measured here, large batches of short rows leave it within a few hundred steps and
+   the mixture's small batches of long rows did not in 320 steps (2.6M tokens), as Zoology trains MQAR.
+2. Mixture (``steps``): rows of ``seq_len`` tokens of three kinds, in fixed proportions:
 
-The loss is the next-token cross-entropy on every position. The trained model is written as a Hugging Face folder
-(config.json, model.safetensors, tokenizer.json), so the product loads it as any pretrained teacher
-(``teacher.source = <folder>``) and converts it with its own pipeline.
+   * MQAR sequences (``data.mqar``) with a pair count drawn uniformly from 1 … ``max_pairs``,
+   * key-value needles inside text: the product's synthetic retrieval prompts (``data.synthetic``: NIAH with
+     number and word needles, passkey, key-value retrieval) on a haystack of the training articles, followed by
+     the answer,
+   * windows of the training articles' token stream (documents joined by EOS).
+
+The loss of a row is the mean next-token cross-entropy over its labelled positions, and the batch's loss the mean
+over its rows. An MQAR row labels its answers only (the value after each queried key, as Zoology labels them: its
+keys and fillers are random draws no model can predict); needle and text rows label every position. The trained
+model is written as a Hugging Face folder (config.json, model.safetensors, tokenizer.json), so the product loads it
+as any pretrained teacher (``teacher.source = <folder>``) and converts it with its own pipeline.
 
 Resumable: a checkpoint (every parameter and AdamW moment, and the step) is written every ``checkpoint_every``
 steps by a temporary file and a rename; a rerun continues from it. A checkpoint of another recipe is refused.
@@ -40,6 +50,7 @@ NEEDLE_TASKS = (
     ("kv_retrieval", {}),
 )
 
+RECALL, MIXTURE = "recall warm-up", "mixture"  # the two phases of training (module doc)
 KV_MIN_LENGTH = 256  # a JSON object of uuid pairs needs about this many tokens of this vocabulary for two pairs
 
 
@@ -69,6 +80,15 @@ class TeacherRecipe:
     mqar_fraction: float = 0.5
     needle_fraction: float = 0.25  # the rest of each batch: text windows
     max_pairs: int = 64
+    recall_steps: int = 0
+    recall_batch_size: int = 512
+    recall_seq_len: int = 64
+    recall_pairs: tuple[int, int] = (4, 4)  # (fewest, most), drawn uniformly per row
+    # The output projection's initial std as a multiple of 1/sqrt(hidden_size) (None: the Transformer's N(0, 0.02),
+    # HF Llama's init, made for pretrained weights that overwrite it). MQAR's answer is a copy of an in-context
+    # token, and the copy's logit grows through this matrix: at hidden 64, N(0, 1/64) instead of N(0, 0.02) brought
+    # 8 layers on the same batches to answer accuracy 0.12 vs 0.004 at step 50, and 0.23 vs 0.15 at step 100.
+    lm_head_init_scale: float | None = None
     checkpoint_every: int = 100
 
     def __post_init__(self):
@@ -76,6 +96,30 @@ class TeacherRecipe:
             raise ValueError("TeacherRecipe: mqar_fraction + needle_fraction must lie in [0, 1].")
         if self.seq_len < 4 * self.max_pairs:
             raise ValueError(f"TeacherRecipe: seq_len={self.seq_len} < 4 x max_pairs={self.max_pairs} (MQAR shape).")
+        low, high = self.recall_pairs
+        if self.recall_steps and not 1 <= low <= high:
+            raise ValueError(
+                f"TeacherRecipe: recall_pairs={self.recall_pairs} must be (fewest, most) with 1 <= fewest <= most."
+            )
+        if self.recall_steps and self.recall_seq_len < 4 * high:
+            raise ValueError(
+                f"TeacherRecipe: recall_seq_len={self.recall_seq_len} < 4 x {high} pairs (the most of recall_pairs)."
+            )
+
+    @property
+    def total_steps(self) -> int:
+        return self.recall_steps + self.steps
+
+    @property
+    def phase_tokens(self) -> dict[str, int]:
+        """Tokens each phase trains on."""
+        return {
+            RECALL: self.recall_steps * self.recall_batch_size * self.recall_seq_len,
+            MIXTURE: self.steps * self.batch_size * self.seq_len,
+        }
+
+    def phase_of(self, step: int) -> str:
+        return RECALL if step < self.recall_steps else MIXTURE
 
     def model_config(self, vocab_rows: int) -> ModelConfig:
         return ModelConfig(
@@ -161,30 +205,46 @@ class TeacherData:
             row = np.concatenate([row, np.concatenate(self.haystack.fill(rng, length - len(row)))])
         return row[:length]
 
-    def batch(self, step: int) -> np.ndarray:
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step ``step``'s rows and loss weights (module doc): ids int32 [rows, length] and weights float32
+        [rows, length - 1], weight t labelling the prediction of ids[:, t + 1]."""
         r = self.recipe
         rng = np.random.default_rng([r.seed, step])
-        mqar, needle, text = r.rows()
-        rows = []
-        for _ in range(mqar):
-            pairs = int(rng.integers(1, r.max_pairs + 1))
-            rows.append(mqar_example(rng, self.symbols, num_pairs=pairs, length=r.seq_len).ids)
+        if step < r.recall_steps:
+            low, high = r.recall_pairs
+            mqar, needle, text, length = r.recall_batch_size, 0, 0, r.recall_seq_len
+        else:
+            (mqar, needle, text), length = r.rows(), r.seq_len
+            low, high = 1, r.max_pairs
+        rows, weights = [], np.zeros((mqar + needle + text, length - 1), np.float32)
+        for i in range(mqar):
+            ex = mqar_example(rng, self.symbols, num_pairs=int(rng.integers(low, high + 1)), length=length)
+            rows.append(ex.ids)
+            weights[i, ex.query_positions] = 1.0
         for i in range(needle):
             rows.append(self.needle_row(rng, seed=int(step * r.batch_size + i)))
-        starts = rng.integers(0, len(self.stream) - r.seq_len, size=text)
-        rows.extend(self.stream[s : s + r.seq_len] for s in starts)
-        return np.stack(rows).astype(np.int32)
+        starts = rng.integers(0, len(self.stream) - length, size=text)
+        rows.extend(self.stream[s : s + length] for s in starts)
+        weights[mqar:] = 1.0
+        return np.stack(rows).astype(np.int32), weights
 
 
 # ------------------------------------------------------------------------------------------------ training
 
 
 def _optimizer(recipe: TeacherRecipe):
+    """AdamW with a warm-up-cosine schedule per phase: each phase warms up to ``lr`` over at most
+    ``warmup_steps`` and decays to lr/10 by its end."""
     import optax
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, recipe.lr, max(1, min(recipe.warmup_steps, recipe.steps - 1)), max(2, recipe.steps), recipe.lr * 0.1
-    )
+    def phase(steps: int):
+        return optax.warmup_cosine_decay_schedule(
+            0.0, recipe.lr, max(1, min(recipe.warmup_steps, steps - 1)), max(2, steps), recipe.lr * 0.1
+        )
+
+    schedule = phase(recipe.steps)
+    if recipe.recall_steps:
+        schedule = optax.join_schedules([phase(recipe.recall_steps), schedule], [recipe.recall_steps])
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=recipe.weight_decay))
 
 
@@ -213,22 +273,54 @@ def _restore(path: Path, params, opt_state, digest: str):
         return int(data["step"]), *jax.tree.unflatten(treedef, leaves)
 
 
+def init_teacher(recipe: TeacherRecipe, vocab_rows: int):
+    """The untrained teacher as (graphdef, params, rest), from ``recipe.seed``; its output projection drawn from
+    N(0, (lm_head_init_scale / sqrt(hidden_size))^2) when the recipe sets that scale."""
+    import jax
+    from flax import nnx
+
+    from hydrahead_jax.models import Transformer
+
+    cfg = recipe.model_config(vocab_rows)
+    graphdef, params, rest = nnx.split(Transformer(cfg, rngs=nnx.Rngs(recipe.seed)), nnx.Param, ...)
+    if recipe.lm_head_init_scale is not None:
+        if cfg.tie_word_embeddings:
+            raise ValueError("TeacherRecipe.lm_head_init_scale needs an untied output projection.")
+        kernel = params["lm_head"]["kernel"]
+        std = recipe.lm_head_init_scale / math.sqrt(cfg.hidden_size)
+        kernel[...] = std * jax.random.normal(jax.random.key(recipe.seed + 1), kernel.shape, kernel.dtype)
+    return graphdef, params, rest
+
+
+def weighted_loss(logits, targets, weights):
+    """The batch's loss (module doc): with c[r, t] the cross-entropy of targets[r, t] under logits[r, t] and w the
+    weights, loss = mean_r (sum_t w[r, t] c[r, t] / sum_t w[r, t]); and the argmax accuracy over the MQAR answers
+    (the positions of rows labelled at some but not every position)."""
+    import jax.numpy as jnp
+    import optax
+
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    labelled = weights.sum(-1)
+    loss = ((ce * weights).sum(-1) / labelled).mean()
+    answers = weights * (labelled < weights.shape[-1])[:, None]
+    hits = ((logits.argmax(-1) == targets) * answers).sum()
+    return loss, hits / jnp.maximum(answers.sum(), 1.0)
+
+
 def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], workdir: Path, *, log=print) -> dict:
     """Train (or continue training) the teacher in ``workdir`` (train.npz, train_log.jsonl) and export it to
-    ``workdir/hf``; returns this call's steps, and over its timed steps (all but the first, which compiles) the
-    tokens, wall and CPU seconds and both rates."""
+    ``workdir/hf``; returns this call's steps and, per phase, over its timed steps (all but the first of each
+    phase, which compiles) the tokens, wall and CPU seconds and both rates."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from hydrahead_jax.models import Transformer
     from hydrahead_jax.models.loaders import save_hf_folder
 
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = recipe.model_config(tokenizer.vocab_size)
-    model = Transformer(cfg, rngs=nnx.Rngs(recipe.seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = init_teacher(recipe, tokenizer.vocab_size)
     tx = _optimizer(recipe)
     opt_state = tx.init(params)
     digest = json.dumps(recipe.to_dict(), sort_keys=True, default=str) + f"|vocab={cfg.vocab_size}"
@@ -236,54 +328,62 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
     step = 0
     if ckpt.exists():
         step, params, opt_state = _restore(ckpt, params, opt_state, digest)
-        log(f"[teacher] resuming at step {step} of {recipe.steps} from {ckpt}")
+        log(f"[teacher] resuming at step {step} of {recipe.total_steps} from {ckpt}")
 
-    def loss_fn(p, ids):
-        m = nnx.merge(graphdef, p, rest)
-        logits = m(ids[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    def loss_fn(p, ids, weights):
+        return weighted_loss(nnx.merge(graphdef, p, rest)(ids[:, :-1]), ids[:, 1:], weights)
 
     @jax.jit
-    def train_step(p, o, ids):
-        loss, grads = jax.value_and_grad(loss_fn)(p, ids)
+    def train_step(p, o, ids, weights):
+        (loss, recall), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, ids, weights)
         updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, loss
+        return optax.apply_updates(p, updates), o, loss, recall
 
     data = TeacherData(recipe, tokenizer, train_texts)
-    start_step, t0, losses = step, None, []
+    start_step, losses, recalls = step, [], []
+    timing = {}  # phase -> [steps, tokens, wall seconds, CPU seconds] over its timed steps
     with open(workdir / "train_log.jsonl", "a") as logfile:
-        while step < recipe.steps:
-            ids = jnp.asarray(data.batch(step))
-            params, opt_state, loss = train_step(params, opt_state, ids)
-            step += 1
-            if t0 is None:  # the first step compiles: the throughput counts from the second
-                jax.block_until_ready(loss)
-                t0, cpu0, first = time.perf_counter(), time.process_time(), step
+        while step < recipe.total_steps:
+            phase = recipe.phase_of(step)
+            first_of_shape = step in (start_step, recipe.recall_steps)  # compiles: not timed
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            ids, weights = data.batch(step)
+            params, opt_state, loss, recall = train_step(params, opt_state, jnp.asarray(ids), jnp.asarray(weights))
             losses.append(float(loss))
-            if step % recipe.checkpoint_every == 0 or step == recipe.steps:
+            recalls.append(float(recall))
+            if not first_of_shape:
+                t = timing.setdefault(phase, [0, 0, 0.0, 0.0])
+                t[0] += 1
+                t[1] += ids.size
+                t[2] += time.perf_counter() - t0
+                t[3] += time.process_time() - cpu0
+            step += 1
+            if step % recipe.checkpoint_every == 0 or step in (recipe.recall_steps, recipe.total_steps):
                 _save(ckpt, step, params, opt_state, digest)
-                mean = sum(losses) / len(losses)
-                logfile.write(json.dumps({"step": step, "loss": mean, "time": time.time()}) + "\n")
+                loss_mean, recall_mean = sum(losses) / len(losses), sum(recalls) / len(recalls)
+                entry = {"step": step, "phase": phase, "loss": loss_mean, "answer_accuracy": recall_mean}
+                logfile.write(json.dumps({**entry, "time": time.time()}) + "\n")
                 logfile.flush()
-                log(f"[teacher] step {step}/{recipe.steps}: loss {mean:.3f}")
-                losses = []
-    jax.block_until_ready(params)
-    seconds = time.perf_counter() - t0 if t0 is not None else 0.0
-    cpu = time.process_time() - cpu0 if t0 is not None else 0.0
-    timed = step - first if t0 is not None else 0
-    tokens = timed * recipe.batch_size * recipe.seq_len
+                log(
+                    f"[teacher] step {step}/{recipe.total_steps} ({phase}): loss {loss_mean:.3f}, MQAR answer "
+                    f"accuracy {recall_mean:.3f}"
+                )
+                losses, recalls = [], []
     save_hf_folder(nnx.merge(graphdef, params, rest), tokenizer, workdir / "hf")
-    return {
-        "steps": step - start_step,
-        "timed_steps": timed,
-        "tokens": tokens,
-        "seconds": round(seconds, 1),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and timed else None,
-        # CPU seconds of this process over the timed steps: on a shared machine the wall-clock rate understates
-        # what the machine alone does; tokens per CPU second x cores bounds it from above
-        "cpu_seconds": round(cpu, 1),
-        "tokens_per_cpu_second": round(tokens / cpu, 1) if cpu > 0 and timed else None,
+    phases = {
+        name: {
+            "timed_steps": n,
+            "tokens": tokens,
+            "seconds": round(seconds, 1),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+            # CPU seconds of this process: on a shared machine the wall-clock rate understates what the machine
+            # alone does; tokens per CPU second x cores bounds it from above
+            "cpu_seconds": round(cpu, 1),
+            "tokens_per_cpu_second": round(tokens / cpu, 1) if cpu > 0 else None,
+        }
+        for name, (n, tokens, seconds, cpu) in timing.items()
     }
+    return {"steps": step - start_step, "timed_steps": sum(p["timed_steps"] for p in phases.values()), "phases": phases}
 
 
 def ablated_teacher(folder: Path, groups: list[tuple[int, int]]):
@@ -305,6 +405,6 @@ def ablated_teacher(folder: Path, groups: list[tuple[int, int]]):
     return model
 
 
-def extrapolate(tokens_per_second: float, recipe: TeacherRecipe) -> float:
-    """Seconds the whole teacher training takes at the measured throughput."""
-    return math.ceil(recipe.steps * recipe.batch_size * recipe.seq_len / tokens_per_second)
+def extrapolate(rates: dict[str, float], recipe: TeacherRecipe) -> int:
+    """Seconds to train ``recipe`` from scratch: each phase's tokens at that phase's rate (tokens/s)."""
+    return math.ceil(sum(tokens / rates[phase] for phase, tokens in recipe.phase_tokens.items() if tokens))

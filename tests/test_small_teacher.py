@@ -1,0 +1,150 @@
+"""The reproduction's teacher (experiments/small_teacher.py): its two phases' batches and labels, checked against the
+MQAR rule worked out per row (the label after a queried key is the value paired with it), its loss against a numpy
+loop, and training's resume against an uninterrupted run."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from hydrahead_jax.experiments.reproduce import quick_study
+from hydrahead_jax.experiments.small_teacher import (
+    TeacherData,
+    init_teacher,
+    train_teacher,
+    train_tokenizer,
+    weighted_loss,
+)
+
+TEXT = [
+    "The quick brown fox jumps over the lazy dog near the river bank. " * 30,
+    "Pack my box with five dozen liquor jugs, said the old sailor to the crew. " * 30,
+]
+# the quick study's tiny teacher (2 layers x 4 KV groups), with both phases
+RECIPE = dataclasses.replace(
+    quick_study().teacher,
+    vocab_size=300,
+    seq_len=512,  # the needle prompts of this tiny vocabulary need most of it
+    steps=3,
+    recall_steps=3,
+    recall_batch_size=16,
+    recall_seq_len=32,
+    recall_pairs=(2, 8),
+    lm_head_init_scale=1.0,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(TEXT, RECIPE, tmp_path_factory.mktemp("tok") / "tok")
+
+
+def answers_by_rule(row: np.ndarray, keys: set[int], values: set[int]) -> list[int]:
+    """Positions t whose next token is determined: ids[t] is a key already paired earlier in the row (key, value)
+    and ids[t + 1] is that value. The pairs come first, so the first occurrence of a key is its pair."""
+    paired, out = {}, []
+    for t in range(len(row) - 1):
+        k, v = int(row[t]), int(row[t + 1])
+        if k in keys and v in values:
+            if k in paired:
+                assert paired[k] == v, "a key is asked with the value it was paired with"
+                out.append(t)
+            else:
+                paired[k] = v
+    return out
+
+
+def test_recall_then_mixture_batches_label_the_answers(tokenizer):
+    data = TeacherData(RECIPE, tokenizer, TEXT)
+    sym = RECIPE.symbols.ids(tokenizer)
+    keys, values = set(sym.keys.tolist()), set(sym.values.tolist())
+    ids, w = data.batch(0)
+    assert ids.shape == (16, 32) and w.shape == (16, 31) and ids.dtype == np.int32
+    counts = []
+    for row, wr in zip(ids, w):
+        expected = answers_by_rule(row, keys, values)
+        assert np.flatnonzero(wr).tolist() == expected
+        counts.append(len(expected))
+    assert 2 <= min(counts) and max(counts) <= 8 and len(set(counts)) > 1  # pair counts drawn from (2, 8)
+    again, w_again = data.batch(0)
+    np.testing.assert_array_equal(again, ids)
+    np.testing.assert_array_equal(w_again, w)
+    assert not np.array_equal(data.batch(1)[0], ids)
+
+    ids, w = data.batch(RECIPE.recall_steps)  # the first mixture step
+    mqar, needle, text = RECIPE.rows()
+    assert ids.shape == (8, 512) and w.shape == (8, 511) and (mqar, needle, text) == (4, 2, 2)
+    for row, wr in zip(ids[:mqar], w[:mqar]):
+        assert np.flatnonzero(wr).tolist() == answers_by_rule(row, keys, values)
+    assert (w[mqar:] == 1).all()  # needle and text rows: every position
+
+
+def test_weighted_loss_is_the_mean_of_row_means():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
+    targets = rng.integers(0, 7, size=(3, 5))
+    weights = np.array([[0, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], np.float32)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    rows = []
+    for r in range(3):
+        positions = np.flatnonzero(weights[r])
+        rows.append(np.mean([-logp[r, t, targets[r, t]] for t in positions]))
+    loss, accuracy = weighted_loss(logits, targets, weights)
+    np.testing.assert_allclose(float(loss), np.mean(rows), rtol=1e-6)  # float32 sums of 5 terms
+    answer_positions = [(0, 1), (0, 3), (2, 4)]  # row 1 labels every position: text, not an answer
+    hits = [logits[r, t].argmax() == targets[r, t] for r, t in answer_positions]
+    assert float(accuracy) == pytest.approx(np.mean(hits))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, tmp_path):
+    import safetensors.numpy
+
+    quiet = lambda *_: None  # noqa: E731
+    whole = train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "whole", log=quiet)
+    assert whole["steps"] == RECIPE.total_steps == 6 and whole["timed_steps"] == 4  # each phase's first compiles
+
+    def kill_at_step_4(message):  # called after the checkpoint of step 4 is written, inside the mixture
+        if "step 4/6" in message:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "split", log=kill_at_step_4)
+    messages = []
+    resumed = train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "split", log=messages.append)
+    assert messages[0].startswith("[teacher] resuming at step 4 of 6") and resumed["steps"] == 2
+    a = safetensors.numpy.load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))
+    b = safetensors.numpy.load_file(str(tmp_path / "split" / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    log = [json.loads(line) for line in (tmp_path / "split" / "train_log.jsonl").read_text().splitlines()]
+    assert [entry["phase"] for entry in log] == ["recall warm-up", "recall warm-up", "mixture", "mixture"]
+
+
+def test_a_checkpoint_of_another_recipe_is_refused(tokenizer, tmp_path):
+    quiet = lambda *_: None  # noqa: E731
+    train_teacher(dataclasses.replace(RECIPE, recall_steps=1, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
+    with pytest.raises(ValueError, match="checkpoint of another teacher recipe"):
+        train_teacher(dataclasses.replace(RECIPE, recall_steps=2, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
+
+
+def test_bad_recall_shapes_are_refused():
+    with pytest.raises(ValueError, match="recall_seq_len=32 < 4 x 9 pairs"):
+        dataclasses.replace(RECIPE, recall_pairs=(2, 9))
+    with pytest.raises(ValueError, match="fewest, most"):
+        dataclasses.replace(RECIPE, recall_pairs=(3, 2))
+
+
+def test_the_output_projection_starts_at_the_recipes_scale():
+    big = dataclasses.replace(RECIPE, hidden_size=64, vocab_size=2048)
+    for scale, expected in ((None, 0.02), (1.0, 64**-0.5), (0.5, 0.5 * 64**-0.5)):
+        _, params, _ = init_teacher(dataclasses.replace(big, lm_head_init_scale=scale), 2048)
+        kernel = np.asarray(params["lm_head"]["kernel"][...])
+        assert kernel.shape == (64, 2048)
+        # 131,072 draws: the sample std's relative standard error is 1/sqrt(2n) = 0.2 %; 2 % is 10 of them
+        assert np.std(kernel) == pytest.approx(expected, rel=0.02)
