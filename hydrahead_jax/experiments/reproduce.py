@@ -145,9 +145,10 @@ class Study:
 
 
 def quick_study() -> Study:
-    """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, one step
-    per stage, the two primary arms under two seeds and the convergence check under one (every other arm's
-    recipe is still built and validated, ``validate_arms``); the teacher is not accepted and the study goes on."""
+    """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, both
+    phases of the teacher's training, one step per stage, the two primary arms under two seeds and the convergence
+    check under one (every other arm's recipe is still built and validated, ``validate_arms``); the teacher is
+    not accepted and the study goes on."""
     teacher = TeacherRecipe(
         vocab_size=1024,
         symbols=MQARSymbols(num_keys=32, num_values=32, num_fillers=4),
@@ -161,6 +162,11 @@ def quick_study() -> Study:
         batch_size=8,
         steps=4,
         max_pairs=16,
+        recall_steps=2,
+        recall_batch_size=8,
+        recall_seq_len=64,
+        recall_pairs=(1, 16),
+        lm_head_init_scale=1.0,
         checkpoint_every=2,
     )
     return Study(

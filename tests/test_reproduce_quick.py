@@ -1,0 +1,42 @@
+"""`reproduce --quick` end to end as a user runs it (every part of the study at tiny sizes), killed mid-arm and
+resumed: the rerun skips the finished parts, resumes the killed one and reports every run and claim."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+
+def _command(workdir):
+    return [sys.executable, "-m", "hydrahead_jax.experiments.reproduce", f"--workdir={workdir}", "--quick"]
+
+
+def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
+    workdir = tmp_path / "study"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(_command(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    for line in first.stdout:
+        seen.append(line)
+        if "2/6 layer_3to1/seed0/x1: stage distil" in line:  # its align stage is checkpointed: kill it hard
+            first.send_signal(signal.SIGKILL)
+            break
+    first.wait(timeout=600)
+    assert first.returncode == -signal.SIGKILL, "".join(seen[-20:])
+    assert any("1/6 head_7to1/seed0/x1: done" in line for line in seen)
+    assert any("recall warm-up" in line for line in seen) and any("(mixture)" in line for line in seen)
+
+    second = subprocess.run(_command(workdir), capture_output=True, text=True, env=env, timeout=900)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "1/6 head_7to1/seed0/x1: finished earlier, skipped" in out
+    assert "teacher: training" not in out  # the trained teacher is reused, not retrained
+    assert "2/6 layer_3to1/seed0/x1: stage align" not in out  # the killed arm resumes after its finished stage
+    assert "2/6 layer_3to1/seed0/x1: done" in out and "6/6" in out
+
+    results = json.loads((workdir / "results" / "results.json").read_text())
+    assert [c["id"] for c in results["claims"]] == ["H1", "H2", "H3", "H4"]
+    assert results["claims"][0]["n_seeds"] == 2 and not results["unfinished"]
+    assert len(results["runs"]) == 6 and results["teacher"]["accepted"] is False
+    assert (workdir / "results" / "report.md").exists() and (workdir / "results" / "recall_by_length.png").exists()
