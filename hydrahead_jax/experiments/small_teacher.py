@@ -210,7 +210,7 @@ class TeacherData:
         [rows, length - 1], weight t labelling the prediction of ids[:, t + 1]."""
         r = self.recipe
         rng = np.random.default_rng([r.seed, step])
-        if step < r.recall_steps:
+        if r.phase_of(step) == RECALL:
             low, high = r.recall_pairs
             mqar, needle, text, length = r.recall_batch_size, 0, 0, r.recall_seq_len
         else:
@@ -319,11 +319,10 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
     from hydrahead_jax.models.loaders import save_hf_folder
 
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = recipe.model_config(tokenizer.vocab_size)
     graphdef, params, rest = init_teacher(recipe, tokenizer.vocab_size)
     tx = _optimizer(recipe)
     opt_state = tx.init(params)
-    digest = json.dumps(recipe.to_dict(), sort_keys=True, default=str) + f"|vocab={cfg.vocab_size}"
+    digest = json.dumps(recipe.to_dict(), sort_keys=True, default=str) + f"|vocab={tokenizer.vocab_size}"
     ckpt = workdir / "train.npz"
     step = 0
     if ckpt.exists():
