@@ -1,5 +1,6 @@
-"""The reproduction's teacher (experiments/small_teacher.py): its two phases' batches and labels, checked against the
-MQAR rule worked out per row (the label after a queried key is the value paired with it), its loss against a numpy
+"""The reproduction's teacher (experiments/small_teacher.py): the batches and labels of its phases (a two-stage recall
+curriculum, then the mixture), checked against the MQAR rule worked out per row (the label after a queried key is
+the value paired with it), its learning rate against the schedule worked out by hand, its loss against a numpy
 loop, and training's resume against an uninterrupted run."""
 
 import dataclasses
@@ -10,8 +11,10 @@ import pytest
 
 from hydrahead_jax.experiments.reproduce import quick_study
 from hydrahead_jax.experiments.small_teacher import (
+    RecallStage,
     TeacherData,
     init_teacher,
+    learning_rate,
     train_teacher,
     train_tokenizer,
     weighted_loss,
@@ -21,16 +24,13 @@ TEXT = [
     "The quick brown fox jumps over the lazy dog near the river bank. " * 30,
     "Pack my box with five dozen liquor jugs, said the old sailor to the crew. " * 30,
 ]
-# the quick study's tiny teacher (2 layers x 4 KV groups), with both phases
+# the quick study's tiny teacher (2 layers x 4 KV groups), with two curriculum stages and the mixture
 RECIPE = dataclasses.replace(
     quick_study().teacher,
     vocab_size=300,
     seq_len=512,  # the needle prompts of this tiny vocabulary need most of it
     steps=3,
-    recall_steps=3,
-    recall_batch_size=16,
-    recall_seq_len=32,
-    recall_pairs=(2, 8),
+    recall=(RecallStage(steps=2, batch_size=16, seq_len=32, pairs=(2, 8)), RecallStage(1, 8, 64, (9, 16))),
     lm_head_init_scale=1.0,
 )
 
@@ -55,7 +55,7 @@ def answers_by_rule(row: np.ndarray, keys: set[int], values: set[int]) -> list[i
     return out
 
 
-def test_recall_then_mixture_batches_label_the_answers(tokenizer):
+def test_curriculum_then_mixture_batches_label_the_answers(tokenizer):
     data = TeacherData(RECIPE, tokenizer, TEXT)
     sym = RECIPE.symbols.ids(tokenizer)
     keys, values = set(sym.keys.tolist()), set(sym.values.tolist())
@@ -72,7 +72,13 @@ def test_recall_then_mixture_batches_label_the_answers(tokenizer):
     np.testing.assert_array_equal(w_again, w)
     assert not np.array_equal(data.batch(1)[0], ids)
 
-    ids, w = data.batch(RECIPE.recall_steps)  # the first mixture step
+    ids, w = data.batch(2)  # the second stage
+    assert ids.shape == (8, 64) and w.shape == (8, 63)
+    for row, wr in zip(ids, w):
+        assert 9 <= len(answers_by_rule(row, keys, values)) == int(wr.sum()) <= 16
+        assert np.flatnonzero(wr).tolist() == answers_by_rule(row, keys, values)
+
+    ids, w = data.batch(3)  # the first mixture step
     mqar, needle, text = RECIPE.rows()
     assert ids.shape == (8, 512) and w.shape == (8, 511) and (mqar, needle, text) == (4, 2, 2)
     for row, wr in zip(ids[:mqar], w[:mqar]):
@@ -106,7 +112,8 @@ def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, 
 
     quiet = lambda *_: None  # noqa: E731
     whole = train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "whole", log=quiet)
-    assert whole["steps"] == RECIPE.total_steps == 6 and whole["timed_steps"] == 4  # each phase's first compiles
+    assert whole["steps"] == RECIPE.total_steps == 6
+    assert whole["timed_steps"] == 3  # each phase's first step compiles: 1 of stage 1, 0 of stage 2, 2 of the mixture
 
     def kill_at_step_4(message):  # called after the checkpoint of step 4 is written, inside the mixture
         if "step 4/6" in message:
@@ -123,21 +130,47 @@ def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, 
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     log = [json.loads(line) for line in (tmp_path / "split" / "train_log.jsonl").read_text().splitlines()]
-    assert [entry["phase"] for entry in log] == ["recall warm-up", "recall warm-up", "mixture", "mixture"]
+    # checkpoints: every 2 steps and at each phase's end (step 3)
+    assert [(entry["step"], entry["phase"]) for entry in log] == [
+        (2, "recall 1"),
+        (3, "recall 2"),
+        (4, "mixture"),
+        (6, "mixture"),
+    ]
+
+
+def test_the_learning_rate_warms_up_once_and_decays_over_the_mixture_only():
+    recipe = dataclasses.replace(
+        RECIPE,
+        lr=1e-2,
+        warmup_steps=4,
+        steps=10,
+        recall=(RecallStage(3, 16, 32, (2, 8)), RecallStage(5, 8, 64, (4, 16))),
+    )
+    lr = learning_rate(recipe)
+    # steps 0-3 warm up linearly, 4-7 (the rest of the curriculum, across its stage change) hold the peak, 8-17
+    # (the mixture) follow 1e-2 * (0.1 + 0.9 * (1 + cos(pi * k / 10)) / 2) at its k-th step
+    expected = [1e-2 * t / 4 for t in range(4)] + [1e-2] * 4
+    expected += [1e-2 * (0.1 + 0.9 * (1 + np.cos(np.pi * k / 10)) / 2) for k in range(10)]
+    np.testing.assert_allclose([float(lr(t)) for t in range(18)], expected, rtol=1e-6)  # float32 arithmetic
 
 
 def test_a_checkpoint_of_another_recipe_is_refused(tokenizer, tmp_path):
     quiet = lambda *_: None  # noqa: E731
-    train_teacher(dataclasses.replace(RECIPE, recall_steps=1, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
+    one_stage = (RecallStage(1, 16, 32, (2, 8)),)
+    train_teacher(dataclasses.replace(RECIPE, recall=one_stage, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
+    longer = (RecallStage(2, 16, 32, (2, 8)),)
     with pytest.raises(ValueError, match="checkpoint of another teacher recipe"):
-        train_teacher(dataclasses.replace(RECIPE, recall_steps=2, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
+        train_teacher(dataclasses.replace(RECIPE, recall=longer, steps=1), tokenizer, TEXT, tmp_path, log=quiet)
 
 
-def test_bad_recall_shapes_are_refused():
-    with pytest.raises(ValueError, match="recall_seq_len=32 < 4 x 9 pairs"):
-        dataclasses.replace(RECIPE, recall_pairs=(2, 9))
+def test_bad_recall_stages_are_refused():
+    with pytest.raises(ValueError, match="seq_len=32 < 4 x 9 pairs"):
+        RecallStage(1, 16, 32, (2, 9))
     with pytest.raises(ValueError, match="fewest, most"):
-        dataclasses.replace(RECIPE, recall_pairs=(3, 2))
+        RecallStage(1, 16, 32, (3, 2))
+    with pytest.raises(ValueError, match="steps and batch_size must be >= 1"):
+        RecallStage(0, 16, 32, (2, 8))
 
 
 def test_the_output_projection_starts_at_the_recipes_scale():

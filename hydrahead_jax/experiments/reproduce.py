@@ -60,7 +60,7 @@ from hydrahead_jax.experiments.compare import (
     prune_checkpoints,
     run_stage,
 )
-from hydrahead_jax.experiments.small_teacher import TeacherRecipe
+from hydrahead_jax.experiments.small_teacher import RecallStage, TeacherRecipe
 
 PRIMARY = ("head_7to1", "layer_3to1")
 HEAD = {"selection.method": "combined", "selection.allocation": "global"}
@@ -162,10 +162,7 @@ def quick_study() -> Study:
         batch_size=8,
         steps=4,
         max_pairs=16,
-        recall_steps=2,
-        recall_batch_size=8,
-        recall_seq_len=64,
-        recall_pairs=(1, 16),
+        recall=(RecallStage(steps=1, batch_size=8, seq_len=32, pairs=(1, 8)), RecallStage(1, 8, 64, (4, 16))),
         lm_head_init_scale=1.0,
         checkpoint_every=2,
     )
@@ -292,12 +289,11 @@ def teacher_part(study: Study, workdir: Path, paths: dict[str, Path]) -> Path:
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
     train = _read_texts(paths["articles"])
     r = study.teacher
-    warmup = (
-        f"{r.recall_steps} steps of {r.recall_batch_size} x {r.recall_seq_len} MQAR tokens, then "
-        if r.recall_steps
-        else ""
+    curriculum = "".join(
+        f"{st.steps} steps of {st.batch_size} x {st.seq_len} MQAR tokens ({st.pairs[0]}-{st.pairs[1]} pairs), then "
+        for st in r.recall
     )
-    log(f"teacher: training {warmup}{r.steps} steps of {r.batch_size} x {r.seq_len} tokens")
+    log(f"teacher: training {curriculum}{r.steps} steps of {r.batch_size} x {r.seq_len} tokens")
     t0 = time.perf_counter()
     result = train_teacher(study.teacher, tokenizer, train, folder, log=log)
     previous = _read_json(summary) or {}
@@ -954,8 +950,8 @@ def measure_teacher(study: Study, workdir: Path, steps: int) -> dict[str, Any]:
     paths = prepare_data(study, workdir)
     tokenizer = load_folder_tokenizer(paths["tokenizer"])
     # each phase the recipe has, for ``steps`` steps: their tokens cost differently (row lengths differ)
-    recall_steps = steps if study.teacher.recall_steps else 0
-    recipe = dc.replace(study.teacher, recall_steps=recall_steps, steps=steps, checkpoint_every=steps)
+    recall = tuple(dc.replace(stage, steps=steps) for stage in study.teacher.recall)
+    recipe = dc.replace(study.teacher, recall=recall, steps=steps, checkpoint_every=steps)
     train = _read_texts(paths["articles"])
     import shutil
 

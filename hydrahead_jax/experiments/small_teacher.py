@@ -3,15 +3,21 @@
 Vocabulary: a byte-level BPE (``data.tiny_tokenizer.train_bpe_tokenizer``) trained on the corpus's training
 articles, plus the MQAR recall symbols (``data.mqar.MQARSymbols``) as whole tokens.
 
-Training runs in two phases; step s of either reads a batch that depends only on (seed, s), so a resumed run sees
+Training runs in phases; step s of any reads a batch that depends only on (seed, s), so a resumed run sees
 exactly the batches an uninterrupted one would.
 
-1. Recall warm-up (``recall_steps``): MQAR rows only, short (``recall_seq_len``) and many per step
-   (``recall_batch_size``), with a pair count drawn uniformly from ``recall_pairs``. A model that learns MQAR
-   first learns to predict any value seen in context (accuracy 1/n at n pairs) and leaves that plateau only when
-   its lookup circuit forms; measured here, large batches of short rows leave it within a few hundred steps and
-   the mixture's small batches of long rows did not in 320 steps (2.6M tokens), as Zoology trains MQAR.
-2. Mixture (``steps``): rows of ``seq_len`` tokens of three kinds, in fixed proportions:
+1. Recall curriculum (``recall``: a tuple of ``RecallStage``, each a phase): MQAR rows only, with a stage's batch
+   size, row length and pair range (uniform per row), usually from many short rows with a few pairs to fewer long
+   rows with many, as Zoology's training set mixes them. A model learning MQAR first predicts any value seen in
+   context (answer accuracy 1/n at n pairs), and has the lookup only when its induction circuit forms; measured
+   here, the mixture's 16 rows of 512 tokens did not leave 1/n in 320 steps (2.6M tokens) while rows of 64 tokens
+   do within a few hundred steps. In Zoology's rows every key is asked once, so a model that only excludes the
+   values already asked scores the mean of 1/n, 1/(n-1), ..., 1 (0.52 at 4 pairs) without any lookup: the
+   product-shaped pilots sat at 0.49-0.52 on 4-pair rows and fell to 0.02 on 1-64 pairs. The learning rate warms
+   up once, at the start, and stays at ``lr`` through the curriculum, so a new row shape continues at the rate
+   the previous one trained at.
+2. Mixture (``steps``; its learning rate decays from ``lr`` to lr/10 on a cosine, after a warm-up only when no
+   curriculum precedes it): rows of ``seq_len`` tokens of three kinds, in fixed proportions:
 
    * MQAR sequences (``data.mqar``) with a pair count drawn uniformly from 1 … ``max_pairs``,
    * key-value needles inside text: the product's synthetic retrieval prompts (``data.synthetic``: NIAH with
@@ -50,8 +56,32 @@ NEEDLE_TASKS = (
     ("kv_retrieval", {}),
 )
 
-RECALL, MIXTURE = "recall warm-up", "mixture"  # the two phases of training (module doc)
+MIXTURE = "mixture"  # the last phase of training (module doc); the recall stages are "recall 1", "recall 2", ...
 KV_MIN_LENGTH = 256  # a JSON object of uuid pairs needs about this many tokens of this vocabulary for two pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallStage:
+    """One stage of the recall curriculum (module doc): ``steps`` steps of ``batch_size`` MQAR rows of ``seq_len``
+    tokens, each with a pair count drawn uniformly from ``pairs`` = (fewest, most)."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    pairs: tuple[int, int]
+
+    def __post_init__(self):
+        low, high = self.pairs
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"RecallStage {self}: steps and batch_size must be >= 1.")
+        if not 1 <= low <= high:
+            raise ValueError(f"RecallStage: pairs={self.pairs} must be (fewest, most) with 1 <= fewest <= most.")
+        if self.seq_len < 4 * high:
+            raise ValueError(f"RecallStage: seq_len={self.seq_len} < 4 x {high} pairs (the most of pairs).")
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.batch_size * self.seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +110,7 @@ class TeacherRecipe:
     mqar_fraction: float = 0.5
     needle_fraction: float = 0.25  # the rest of each batch: text windows
     max_pairs: int = 64
-    recall_steps: int = 0
-    recall_batch_size: int = 512
-    recall_seq_len: int = 64
-    recall_pairs: tuple[int, int] = (4, 4)  # (fewest, most), drawn uniformly per row
+    recall: tuple[RecallStage, ...] = ()  # the recall curriculum (module doc), in order
     # The output projection's initial std as a multiple of 1/sqrt(hidden_size) (None: the Transformer's N(0, 0.02),
     # HF Llama's init, made for pretrained weights that overwrite it). MQAR's answer is a copy of an in-context
     # token, and the copy's logit grows through this matrix: at hidden 64, N(0, 1/64) instead of N(0, 0.02) brought
@@ -96,30 +123,38 @@ class TeacherRecipe:
             raise ValueError("TeacherRecipe: mqar_fraction + needle_fraction must lie in [0, 1].")
         if self.seq_len < 4 * self.max_pairs:
             raise ValueError(f"TeacherRecipe: seq_len={self.seq_len} < 4 x max_pairs={self.max_pairs} (MQAR shape).")
-        low, high = self.recall_pairs
-        if self.recall_steps and not 1 <= low <= high:
-            raise ValueError(
-                f"TeacherRecipe: recall_pairs={self.recall_pairs} must be (fewest, most) with 1 <= fewest <= most."
-            )
-        if self.recall_steps and self.recall_seq_len < 4 * high:
-            raise ValueError(
-                f"TeacherRecipe: recall_seq_len={self.recall_seq_len} < 4 x {high} pairs (the most of recall_pairs)."
-            )
+
+    @property
+    def recall_steps(self) -> int:
+        return sum(stage.steps for stage in self.recall)
 
     @property
     def total_steps(self) -> int:
         return self.recall_steps + self.steps
 
     @property
+    def phases(self) -> list[tuple[str, int]]:
+        """(name, first step) of each phase, in order."""
+        names = [f"recall {i + 1}" for i in range(len(self.recall))] + [MIXTURE]
+        starts = np.cumsum([0] + [stage.steps for stage in self.recall]).tolist()
+        return list(zip(names, starts, strict=True))
+
+    @property
     def phase_tokens(self) -> dict[str, int]:
         """Tokens each phase trains on."""
-        return {
-            RECALL: self.recall_steps * self.recall_batch_size * self.recall_seq_len,
-            MIXTURE: self.steps * self.batch_size * self.seq_len,
-        }
+        tokens = {f"recall {i + 1}": stage.tokens for i, stage in enumerate(self.recall)}
+        return {**tokens, MIXTURE: self.steps * self.batch_size * self.seq_len}
 
     def phase_of(self, step: int) -> str:
-        return RECALL if step < self.recall_steps else MIXTURE
+        return next(name for name, start in reversed(self.phases) if step >= start)
+
+    def recall_stage(self, step: int) -> RecallStage | None:
+        """The curriculum stage step ``step`` trains in (None in the mixture)."""
+        for stage in self.recall:
+            if step < stage.steps:
+                return stage
+            step -= stage.steps
+        return None
 
     def model_config(self, vocab_rows: int) -> ModelConfig:
         return ModelConfig(
@@ -210,9 +245,10 @@ class TeacherData:
         [rows, length - 1], weight t labelling the prediction of ids[:, t + 1]."""
         r = self.recipe
         rng = np.random.default_rng([r.seed, step])
-        if r.phase_of(step) == RECALL:
-            low, high = r.recall_pairs
-            mqar, needle, text, length = r.recall_batch_size, 0, 0, r.recall_seq_len
+        stage = r.recall_stage(step)
+        if stage is not None:
+            (low, high), length = stage.pairs, stage.seq_len
+            mqar, needle, text = stage.batch_size, 0, 0
         else:
             (mqar, needle, text), length = r.rows(), r.seq_len
             low, high = 1, r.max_pairs
@@ -232,20 +268,33 @@ class TeacherData:
 # ------------------------------------------------------------------------------------------------ training
 
 
-def _optimizer(recipe: TeacherRecipe):
-    """AdamW with a warm-up-cosine schedule per phase: each phase warms up to ``lr`` over at most
-    ``warmup_steps`` and decays to lr/10 by its end."""
+def learning_rate(recipe: TeacherRecipe):
+    """The learning rate by step (module doc): a linear warm-up to ``lr`` over ``warmup_steps`` from step 0, ``lr``
+    through the recall curriculum, then a cosine decay to lr/10 over the mixture."""
     import optax
 
-    def phase(steps: int):
+    peak, warmup = recipe.lr, recipe.warmup_steps
+    if not recipe.recall:
         return optax.warmup_cosine_decay_schedule(
-            0.0, recipe.lr, max(1, min(recipe.warmup_steps, steps - 1)), max(2, steps), recipe.lr * 0.1
+            0.0, peak, max(1, min(warmup, recipe.steps - 1)), max(2, recipe.steps), peak * 0.1
         )
+    warmup = max(1, min(warmup, recipe.recall_steps))
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, peak, warmup),
+            optax.constant_schedule(peak),
+            optax.cosine_decay_schedule(peak, max(1, recipe.steps), alpha=0.1),
+        ],
+        [warmup, recipe.recall_steps],
+    )
 
-    schedule = phase(recipe.steps)
-    if recipe.recall_steps:
-        schedule = optax.join_schedules([phase(recipe.recall_steps), schedule], [recipe.recall_steps])
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=recipe.weight_decay))
+
+def _optimizer(recipe: TeacherRecipe):
+    import optax
+
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(learning_rate(recipe), weight_decay=recipe.weight_decay)
+    )
 
 
 def _save(path: Path, step: int, params, opt_state, digest: str) -> None:
@@ -340,11 +389,12 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
 
     data = TeacherData(recipe, tokenizer, train_texts)
     start_step, losses, recalls = step, [], []
+    starts = {start for _, start in recipe.phases} | {recipe.total_steps}  # each phase's first step, and the end
     timing = {}  # phase -> [steps, tokens, wall seconds, CPU seconds] over its timed steps
     with open(workdir / "train_log.jsonl", "a") as logfile:
         while step < recipe.total_steps:
             phase = recipe.phase_of(step)
-            first_of_shape = step in (start_step, recipe.recall_steps)  # compiles: not timed
+            first_of_shape = step == start_step or step in starts  # compiles: not timed
             t0, cpu0 = time.perf_counter(), time.process_time()
             ids, weights = data.batch(step)
             params, opt_state, loss, recall = train_step(params, opt_state, jnp.asarray(ids), jnp.asarray(weights))
@@ -357,7 +407,7 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
                 t[2] += time.perf_counter() - t0
                 t[3] += time.process_time() - cpu0
             step += 1
-            if step % recipe.checkpoint_every == 0 or step in (recipe.recall_steps, recipe.total_steps):
+            if step % recipe.checkpoint_every == 0 or step in starts:
                 _save(ckpt, step, params, opt_state, digest)
                 loss_mean, recall_mean = sum(losses) / len(losses), sum(recalls) / len(recalls)
                 entry = {"step": step, "phase": phase, "loss": loss_mean, "answer_accuracy": recall_mean}
