@@ -155,6 +155,30 @@ def test_the_learning_rate_warms_up_once_and_decays_over_the_mixture_only():
     np.testing.assert_allclose([float(lr(t)) for t in range(18)], expected, rtol=1e-6)  # float32 arithmetic
 
 
+def test_gradient_clipping_is_the_recipes():
+    import jax.numpy as jnp
+    import optax
+
+    from hydrahead_jax.experiments.small_teacher import _optimizer
+
+    recipe = dataclasses.replace(RECIPE, lr=1e-2, warmup_steps=1, weight_decay=0.0)
+    params = {"w": jnp.zeros(4)}
+    grads = {"w": jnp.asarray([30.0, -40.0, 0.0, 0.0])}  # global norm 50
+    # Adam's first update is lr * g_hat / (|g_hat| + eps) per coordinate: the same for any positive rescaling of g,
+    # so the clip shows in the second moment after a step with a small gradient first
+    small = {"w": jnp.asarray([0.3, -0.4, 0.0, 0.0])}  # norm 0.5, under both clips
+    for clip, scale in ((None, 1.0), (1.0, 1 / 50)):
+        tx = _optimizer(dataclasses.replace(recipe, grad_clip=clip))
+        state = tx.init(params)
+        _, state = tx.update(small, state, params)
+        update, _ = tx.update(grads, state, params)
+        ref = optax.adamw(learning_rate(recipe), weight_decay=0.0)
+        ref_state = ref.init(params)
+        _, ref_state = ref.update(small, ref_state, params)
+        expected, _ = ref.update({"w": grads["w"] * scale}, ref_state, params)
+        np.testing.assert_allclose(update["w"], expected["w"], rtol=1e-6)  # the same float32 operations
+
+
 def test_a_checkpoint_of_another_recipe_is_refused(tokenizer, tmp_path):
     quiet = lambda *_: None  # noqa: E731
     one_stage = (RecallStage(1, 16, 32, (2, 8)),)

@@ -107,6 +107,10 @@ class TeacherRecipe:
     lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
+    # Global-norm gradient clipping (None: none). Measured on the 2-layer model of this shape, 512 rows of 16 tokens,
+    # 4 pairs, one seed each: with the clip at 1.0 it sat on the exclusion plateau (module doc) through 17.9M
+    # tokens; without it, it left the plateau at ~12M tokens and reached 0.90 answer accuracy at 14.3M.
+    grad_clip: float | None = 1.0
     mqar_fraction: float = 0.5
     needle_fraction: float = 0.25  # the rest of each batch: text windows
     max_pairs: int = 64
@@ -292,9 +296,8 @@ def learning_rate(recipe: TeacherRecipe):
 def _optimizer(recipe: TeacherRecipe):
     import optax
 
-    return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(learning_rate(recipe), weight_decay=recipe.weight_decay)
-    )
+    adamw = optax.adamw(learning_rate(recipe), weight_decay=recipe.weight_decay)
+    return adamw if recipe.grad_clip is None else optax.chain(optax.clip_by_global_norm(recipe.grad_clip), adamw)
 
 
 def _save(path: Path, step: int, params, opt_state, digest: str) -> None:
