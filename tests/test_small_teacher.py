@@ -13,6 +13,7 @@ from hydrahead_jax.experiments.reproduce import quick_study
 from hydrahead_jax.experiments.small_teacher import (
     RecallStage,
     TeacherData,
+    _optimizer,
     init_teacher,
     learning_rate,
     train_teacher,
@@ -158,8 +159,6 @@ def test_the_learning_rate_warms_up_once_and_decays_over_the_mixture_only():
 def test_gradient_clipping_is_the_recipes():
     import jax.numpy as jnp
     import optax
-
-    from hydrahead_jax.experiments.small_teacher import _optimizer
 
     recipe = dataclasses.replace(RECIPE, lr=1e-2, warmup_steps=1, weight_decay=0.0)
     params = {"w": jnp.zeros(4)}

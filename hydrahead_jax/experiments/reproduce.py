@@ -145,10 +145,10 @@ class Study:
 
 
 def quick_study() -> Study:
-    """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, both
-    phases of the teacher's training, one step per stage, the two primary arms under two seeds and the convergence
-    check under one (every other arm's recipe is still built and validated, ``validate_arms``); the teacher is
-    not accepted and the study goes on."""
+    """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, a
+    two-stage recall curriculum and the mixture for the teacher, one step per stage, the two primary arms under two
+    seeds and the convergence check under one (every other arm's recipe is still built and validated,
+    ``validate_arms``); the teacher is not accepted and the study goes on."""
     teacher = TeacherRecipe(
         vocab_size=1024,
         symbols=MQARSymbols(num_keys=32, num_values=32, num_fillers=4),
