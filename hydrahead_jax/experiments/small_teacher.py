@@ -440,7 +440,9 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
             ids, weights = data.batch(step)
             stage = recipe.recall_stage(step)
             if stage is None:
-                params, opt_state, loss, recall = mixture_step(params, opt_state, jnp.asarray(ids), jnp.asarray(weights))
+                params, opt_state, loss, recall = mixture_step(
+                    params, opt_state, jnp.asarray(ids), jnp.asarray(weights)
+                )
             else:
                 positions, mask = answer_positions(weights, stage.pairs[1])
                 params, opt_state, loss, recall = recall_step(
