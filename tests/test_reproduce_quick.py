@@ -26,6 +26,7 @@ def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
     assert first.returncode == -signal.SIGKILL, "".join(seen[-20:])
     assert any("1/6 head_7to1/seed0/x1: done" in line for line in seen)
     assert any("(recall 2)" in line for line in seen) and any("(mixture)" in line for line in seen)
+    assert any("grown to 2 layers at step 1" in line for line in seen)
 
     second = subprocess.run(_command(workdir), capture_output=True, text=True, env=env, timeout=900)
     out = second.stdout + second.stderr

@@ -16,6 +16,7 @@ from hydrahead_jax.experiments.small_teacher import (
     _optimizer,
     answer_loss,
     answer_positions,
+    grow_layers,
     init_teacher,
     learning_rate,
     train_teacher,
@@ -27,13 +28,17 @@ TEXT = [
     "The quick brown fox jumps over the lazy dog near the river bank. " * 30,
     "Pack my box with five dozen liquor jugs, said the old sailor to the crew. " * 30,
 ]
-# the quick study's tiny teacher (2 layers x 4 KV groups), with two curriculum stages and the mixture
+# the quick study's tiny teacher (2 layers x 4 KV groups), with two curriculum stages (the first on one layer, then
+# grown to two) and the mixture
 RECIPE = dataclasses.replace(
     quick_study().teacher,
     vocab_size=300,
     seq_len=512,  # the needle prompts of this tiny vocabulary need most of it
     steps=3,
-    recall=(RecallStage(steps=2, batch_size=16, seq_len=32, pairs=(2, 8)), RecallStage(1, 8, 64, (9, 16))),
+    recall=(
+        RecallStage(steps=2, batch_size=16, seq_len=32, pairs=(2, 8), num_layers=1),
+        RecallStage(1, 8, 64, (9, 16)),
+    ),
     lm_head_init_scale=1.0,
 )
 
@@ -137,31 +142,40 @@ class Killed(Exception):
     pass
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def whole_run(tokenizer, tmp_path_factory):
+    messages, workdir = [], tmp_path_factory.mktemp("whole")
+    return train_teacher(RECIPE, tokenizer, TEXT, workdir, log=messages.append), messages, workdir
+
+
+@pytest.mark.parametrize("kill_step", [2, 4])  # right after the growth to two layers; inside the mixture
+def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, whole_run, kill_step, tmp_path):
     import safetensors.numpy
 
-    quiet = lambda *_: None  # noqa: E731
-    whole = train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "whole", log=quiet)
+    whole, whole_messages, whole_dir = whole_run
     assert whole["steps"] == RECIPE.total_steps == 6
     assert whole["timed_steps"] == 3  # each phase's first step compiles: 1 of stage 1, 0 of stage 2, 2 of the mixture
+    assert "[teacher] grown to 2 layers at step 2 (each layer into 2)" in whole_messages
 
-    def kill_at_step_4(message):  # called after the checkpoint of step 4 is written, inside the mixture
-        if "step 4/6" in message:
+    def kill(message):  # called after the checkpoint of the step is written
+        if f"step {kill_step}/6" in message:
             raise Killed
 
     with pytest.raises(Killed):
-        train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "split", log=kill_at_step_4)
+        train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "split", log=kill)
     messages = []
     resumed = train_teacher(RECIPE, tokenizer, TEXT, tmp_path / "split", log=messages.append)
-    assert messages[0].startswith("[teacher] resuming at step 4 of 6") and resumed["steps"] == 2
-    a = safetensors.numpy.load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))
+    assert messages[0].startswith(f"[teacher] resuming at step {kill_step} of 6")
+    assert resumed["steps"] == 6 - kill_step
+    assert not any("grown" in m for m in messages)  # the checkpoint of step 2 holds the grown model
+    a = safetensors.numpy.load_file(str(whole_dir / "hf" / "model.safetensors"))
     b = safetensors.numpy.load_file(str(tmp_path / "split" / "hf" / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     log = [json.loads(line) for line in (tmp_path / "split" / "train_log.jsonl").read_text().splitlines()]
-    # checkpoints: every 2 steps and at each phase's end (step 3)
-    assert [(entry["step"], entry["phase"]) for entry in log] == [
+    # checkpoints: every 2 steps and at each phase's end (step 3); the killed run logged its last step again
+    assert sorted({(entry["step"], entry["phase"]) for entry in log}) == [
         (2, "recall 1"),
         (3, "recall 2"),
         (4, "mixture"),
@@ -223,6 +237,36 @@ def test_bad_recall_stages_are_refused():
         RecallStage(1, 16, 32, (3, 2))
     with pytest.raises(ValueError, match="steps and batch_size must be >= 1"):
         RecallStage(0, 16, 32, (2, 8))
+    with pytest.raises(ValueError, match="num_layers=0 must be >= 1"):
+        RecallStage(1, 16, 32, (2, 8), num_layers=0)
+    for depth in (3, 4):  # 3 does not divide the recipe's 2 layers; 4 would shrink to 2
+        with pytest.raises(ValueError, match=r"must each divide the next \(the model only grows"):
+            dataclasses.replace(RECIPE, recall=(RecallStage(1, 16, 32, (2, 8), num_layers=depth),))
+
+
+def test_a_grown_model_computes_the_function_of_the_one_it_grew_from(tokenizer):
+    """Growing 2 layers into 8 (each into 4) changes no logit: the copies after each layer's first add nothing to
+    the residual stream. Checked against the 2-layer model's own logits, after a random perturbation of every
+    parameter (so no layer is near identity by initialisation, and the copies are told apart from the originals)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    deep = dataclasses.replace(RECIPE, num_layers=8, recall=())
+    graphdef, params, rest = init_teacher(deep, tokenizer.vocab_size, num_layers=2)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    params = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    ids = jnp.asarray(TeacherData(RECIPE, tokenizer, TEXT).batch(3)[0][:, :64])
+    small = nnx.merge(graphdef, params, rest)(ids)
+    big_graph, _, big_rest = init_teacher(deep, tokenizer.vocab_size)
+    grown = grow_layers(params, 4, zero_outputs=True)
+    np.testing.assert_array_equal(nnx.merge(big_graph, grown, big_rest)(ids), small)
+    q, o = grown["layers"]["self_attn"]["q_proj"]["kernel"][...], grown["layers"]["self_attn"]["o_proj"]["kernel"][...]
+    assert q.shape[0] == 8 and (q[5] == q[4]).all() and not (q[4] == q[3]).all()  # layers 4-7 copy layer 1
+    assert (o[5] == 0).all() and (o[4] != 0).any()
+    moments = grow_layers(params, 4, zero_outputs=False)["layers"]["self_attn"]["o_proj"]["kernel"][...]
+    assert (moments[5] == moments[4]).all() and (moments[5] != 0).any()
 
 
 def test_the_output_projection_starts_at_the_recipes_scale():

@@ -146,9 +146,9 @@ class Study:
 
 def quick_study() -> Study:
     """Tiny sizes that still run every part of the study (the test suite's run): 2 layers x 4 KV groups, a
-    two-stage recall curriculum and the mixture for the teacher, one step per stage, the two primary arms under two
-    seeds and the convergence check under one (every other arm's recipe is still built and validated,
-    ``validate_arms``); the teacher is not accepted and the study goes on."""
+    two-stage recall curriculum (the first on one layer, then grown to two) and the mixture for the teacher, one
+    step per stage, the two primary arms under two seeds and the convergence check under one (every other arm's
+    recipe is still built and validated, ``validate_arms``); the teacher is not accepted and the study goes on."""
     teacher = TeacherRecipe(
         vocab_size=1024,
         symbols=MQARSymbols(num_keys=32, num_values=32, num_fillers=4),
@@ -162,7 +162,10 @@ def quick_study() -> Study:
         batch_size=8,
         steps=4,
         max_pairs=16,
-        recall=(RecallStage(steps=1, batch_size=8, seq_len=32, pairs=(1, 8)), RecallStage(1, 8, 64, (4, 16))),
+        recall=(
+            RecallStage(steps=1, batch_size=8, seq_len=32, pairs=(1, 8), num_layers=1),
+            RecallStage(1, 8, 64, (4, 16)),
+        ),
         lm_head_init_scale=1.0,
         checkpoint_every=2,
     )
