@@ -293,10 +293,11 @@ def teacher_part(study: Study, workdir: Path, paths: dict[str, Path]) -> Path:
     train = _read_texts(paths["articles"])
     r = study.teacher
     curriculum = "".join(
-        f"{st.steps} steps of {st.batch_size} x {st.seq_len} MQAR tokens ({st.pairs[0]}-{st.pairs[1]} pairs), then "
+        f"{st.steps} steps of {st.batch_size} x {st.seq_len} MQAR tokens ({st.pairs[0]}-{st.pairs[1]} pairs"
+        f"{'' if st.num_layers is None else f', {st.num_layers} layers'}), then "
         for st in r.recall
     )
-    log(f"teacher: training {curriculum}{r.steps} steps of {r.batch_size} x {r.seq_len} tokens")
+    log(f"teacher: training {curriculum}{r.steps} steps of {r.batch_size} x {r.seq_len} tokens ({r.num_layers} layers)")
     t0 = time.perf_counter()
     result = train_teacher(study.teacher, tokenizer, train, folder, log=log)
     previous = _read_json(summary) or {}
