@@ -447,13 +447,12 @@ def answer_loss(model, ids, positions, mask):
     applied at those positions alone: the recall stages' rows label a few answers each, and projecting every other
     position onto the vocabulary would be work for no loss."""
     import jax.numpy as jnp
-    import optax
 
     hidden, _ = model.hidden_states(ids[:, :-1])
     logits = model.logits_from_hidden(jnp.take_along_axis(hidden, positions[:, :, None], axis=1))
     targets = jnp.take_along_axis(ids[:, 1:], positions, axis=1)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    loss = ((ce * mask).sum(-1) / mask.sum(-1)).mean()
+    # weighted_loss's accuracy skips rows labelled at every position (text); here a row may fill all its slots
+    loss, _ = weighted_loss(logits, targets, mask)
     hits = ((logits.argmax(-1) == targets) * mask).sum()
     return loss, hits / jnp.maximum(mask.sum(), 1.0)
 
