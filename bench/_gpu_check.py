@@ -1,7 +1,8 @@
 """Shared parts of the GPU check (bench/gpu_check.sh): run modes, the time budget, error metrics, timing, reports.
 
 Each kernel script (gpu_check_flash_attention.py, gpu_check_gated_delta.py) fills a ``Report`` with correctness
-rows and benchmark rows and writes ``<kernel>.json`` and ``<kernel>.md`` to the output folder; then
+rows and benchmark rows, rewriting ``<kernel>.json`` and ``<kernel>.md`` in the output folder after every row (a
+script killed at its deadline keeps what it measured); then
 
     python bench/_gpu_check.py summarize --out DIR --status flash_attention=0 --status gated_delta=0
 
@@ -133,6 +134,7 @@ class Report:
     def note(self, text: str) -> None:
         print(f"note: {text}", flush=True)
         self.notes.append(text)
+        self.write()
 
     # -- correctness
     def check(
@@ -151,29 +153,27 @@ class Report:
             limits[name] = F32_TOLERANCE if b is None else BF16_FACTOR * rel_err(b, o)
         bad = [n for n in names if not (math.isfinite(errors[n]) and errors[n] <= limits[n])]
         row = dict(case=case, dtype=dtype, status="fail" if bad else "ok", errors=errors, limits=limits, bad=bad)
-        self.checks.append(row)
-        self._print_check(row)
+        self._add_check(row)
         return not bad
 
     def check_error(self, case: str, dtype: str, err: BaseException) -> None:
         """A check that raised (lowering/compile/runtime error): a failure, with the error's first line."""
         row = dict(case=case, dtype=dtype, status="fail", error=first_line(err), bad=["raised"])
-        self.checks.append(row)
         traceback.print_exception(err, limit=-3)
-        self._print_check(row)
+        self._add_check(row)
 
     def check_skipped(self, case: str, dtype: str, reason: str) -> None:
-        row = dict(case=case, dtype=dtype, status="not run", error=reason, bad=[])
-        self.checks.append(row)
-        self._print_check(row)
+        self._add_check(dict(case=case, dtype=dtype, status="not run", error=reason, bad=[]))
 
-    @staticmethod
-    def _print_check(row: dict) -> None:
+    def _add_check(self, row: dict) -> None:
+        """Print the row and rewrite the report files: a run killed at its deadline keeps every row so far."""
+        self.checks.append(row)
         if "errors" in row:
             detail = "  ".join(f"{n} {e:.1e}/{row['limits'][n]:.1e}" for n, e in row["errors"].items())
         else:
             detail = row["error"]
         print(f"[{row['status']:>7}] {row['case']} {row['dtype']}: {detail}", flush=True)
+        self.write()
 
     # -- speed
     def bench_row(self, **row) -> None:
@@ -181,6 +181,7 @@ class Report:
         t = row.get("ms")
         shown = f"{t:.3f} ms, {row['tflops']:.1f} TFLOP/s" if t is not None else row.get("error", "skipped")
         print(f"[  bench] D={row['D']} T={row['T']} {row['direction']:<7} {row['impl']:<10} {shown}", flush=True)
+        self.write()
 
     def failures(self) -> list[str]:
         return [f"{c['case']} {c['dtype']} ({', '.join(c['bad'])})" for c in self.checks if c["status"] == "fail"]

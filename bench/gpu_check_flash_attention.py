@@ -4,13 +4,14 @@
 
 1. Correctness of ``flash_attention(..., implementation="pallas")``: the output and dq, dk, dv against
    ``attention_reference`` in float32 and bfloat16, at head_dim 64 and 128, 1, 4 and 8 query heads per KV head,
-   causal and not, lengths that are no block multiple, T ≠ S, a q_offset and a decode step (T = 1). The error
-   protocol and its limits are in bench/_gpu_check.py.
+   causal and not, lengths that are no block multiple, T ≠ S, a q_offset and a decode step (T = 1). The same for
+   ``implementation="cudnn"`` (NVIDIA's fused attention behind our switch) in bfloat16 on every case it covers
+   (``cudnn_unsupported``), rows "[cudnn]". The error protocol and its limits are in bench/_gpu_check.py.
 2. Speed, bf16, causal, H = 16 heads (MHA), B·T = 32K tokens per row, T = 4K to 32K, head_dim 64 and 128, forward
-   and forward+backward, beside the peers measured in the same process: cuDNN's fused attention
-   (``jax.nn.dot_product_attention(..., implementation="cudnn")``), XLA's dense attention (the same call with
-   ``implementation="xla"``; only up to T = 8K since it materialises the B·H·T² scores) and this package's
-   blockwise XLA path (``implementation="xla"``).
+   and forward+backward, beside the peers measured in the same process: cuDNN's fused attention through our
+   switch (``flash_attention(..., implementation="cudnn")``, what ``auto`` runs on a GPU for these calls), XLA's
+   dense attention (``jax.nn.dot_product_attention(..., implementation="xla")``; only up to T = 8K since it
+   materialises the B·H·T² scores) and this package's blockwise XLA path (``implementation="xla"``).
 3. Packed documents (segment ids), checked in --quick and full: output and gradients with the ids of documents of
    ragged lengths against ``attention_reference`` given the same ids. Timed in every mode, before the rows of 2:
    one row (D = 128, T = 8K; the dry run at its tiny shape), documents of ~500 tokens, Pallas with the ids
@@ -39,6 +40,7 @@ from _gpu_check import Budget, Report, budgeted_rows, first_line, run_script, ti
 from bench_segments import packed_segment_ids  # noqa: E402
 
 from pallas_kernels.flash_attention import BlockSizes, attention_reference, flash_attention  # noqa: E402
+from pallas_kernels.flash_attention.cudnn import cudnn_unsupported  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("out", "dq", "dk", "dv")
@@ -101,11 +103,10 @@ def _fwd_and_grads(attn, q, k, v, do):
 @cache
 def jitted(impl: str, causal: bool = True, q_offset: int | None = None, segmented: bool = False):
     """(forward, forward+gradients) of one implementation, jitted once so checks and benchmark rows share
-    compilations. impl: "reference", "pallas" or "xla" (flash_attention) or "cudnn", "xla_dense"
-    (jax.nn.dot_product_attention, causal only). segmented: both take the segment ids [B, T] as a last argument."""
-    if impl in ("cudnn", "xla_dense"):
-        dense = "xla" if impl == "xla_dense" else impl
-        attn = partial(jax.nn.dot_product_attention, is_causal=causal, implementation=dense)
+    compilations. impl: "reference", or an implementation of flash_attention ("pallas", "xla", "cudnn"), or
+    "xla_dense" (jax.nn.dot_product_attention). segmented: both take the segment ids [B, T] as a last argument."""
+    if impl == "xla_dense":
+        attn = partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
     elif impl == "reference":
         attn = partial(attention_reference, causal=causal, q_offset=q_offset)
     else:
@@ -122,7 +123,13 @@ def jitted(impl: str, causal: bool = True, q_offset: int | None = None, segmente
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def run_checks(report: Report, budget: Budget, cases, segment_cases=()) -> None:
+def _cudnn_covers(q, k, causal, q_offset, segmented) -> bool:
+    """Whether flash_attention(implementation="cudnn") computes this call (its own rule, asked on this machine)."""
+    offset = (k.shape[1] - q.shape[1]) if q_offset is None else q_offset
+    return cudnn_unsupported(q, k, causal=causal, q_offset=offset, segments_given=segmented) is None
+
+
+def run_checks(report: Report, budget: Budget, cases, segment_cases=(), on_gpu: bool = False) -> None:
     cases = [(*c, None) for c in cases] + [
         (b, t, s, hq, hkv, d, c, None, n) for b, t, s, hq, hkv, d, c, n in segment_cases
     ]
@@ -131,24 +138,31 @@ def run_checks(report: Report, budget: Budget, cases, segment_cases=()) -> None:
         case += f" q_offset={q_offset}" if q_offset is not None else ""
         segmented = doc_len is not None
         reference = jitted("reference", causal, q_offset, segmented)[1]
-        pallas = jitted("pallas", causal, q_offset, segmented)[1]
+        kernels = {"pallas": jitted("pallas", causal, q_offset, segmented)[1]}
+        if on_gpu:
+            kernels["cudnn"] = jitted("cudnn", causal, q_offset, segmented)[1]
         if segmented:
             ids = jnp.asarray(packed_segment_ids(b, t, doc_len, seed=seed))
             case += f" packed {int(ids.max())} docs of ~{doc_len}"
-            reference, pallas = partial(reference, ids=ids), partial(pallas, ids=ids)
+            reference = partial(reference, ids=ids)
+            kernels = {name: partial(fn, ids=ids) for name, fn in kernels.items()}
         x32 = _inputs(seed, b, t, s, hq, hkv, d, F32)
         for dtype in (F32, BF16):
             name = jnp.dtype(dtype).name
-            if not budget.allows(5):
-                report.check_skipped(case, name, f"time budget spent ({budget.left():.0f} s left)")
-                continue
             x = [a.astype(dtype) for a in x32]
-            try:
-                oracle = reference(*(a.astype(F32) for a in x))  # fp32 on the same (rounded) inputs
-                got = pallas(*x)
-                report.check(case, name, NAMES, got, oracle, reference(*x) if dtype == BF16 else None)
-            except Exception as e:  # lowering / Triton compile / runtime error: a failed check, the others go on
-                report.check_error(case, name, e)
+            for impl, kernel in kernels.items():
+                row = case if impl == "pallas" else f"{case} [{impl}]"
+                if impl == "cudnn" and not _cudnn_covers(x[0], x[1], causal, q_offset, segmented):
+                    continue
+                if not budget.allows(5):
+                    report.check_skipped(row, name, f"time budget spent ({budget.left():.0f} s left)")
+                    continue
+                try:
+                    oracle = reference(*(a.astype(F32) for a in x))  # fp32 on the same (rounded) inputs
+                    got = kernel(*x)
+                    report.check(row, name, NAMES, got, oracle, reference(*x) if dtype == BF16 else None)
+                except Exception as e:  # lowering / compile / runtime error: a failed check, the others go on
+                    report.check_error(row, name, e)
 
 
 def run_packed_bench(report: Report, budget: Budget, mode: str) -> None:
@@ -202,7 +216,7 @@ def steps(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
         report.info["pallas blocks"] = str(BlockSizes.default("gpu"))
     except Exception as e:
         report.info["pallas blocks"] = f"unknown ({first_line(e)})"
-    run_checks(report, budget, CASES[mode], SEGMENT_CASES[mode])
+    run_checks(report, budget, CASES[mode], SEGMENT_CASES[mode], on_gpu)
     # The packed row first: its implementations then lead the table's columns, and every row of run_bench keeps
     # its ratio against the last peer in the last column.
     run_packed_bench(report, budget, mode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pallas_kernels.dispatch import check_implementation, implementations, platform_of, resolve
 from pallas_kernels.flash_attention._common import BlockSizes, check_inputs, check_segment_ids
+from pallas_kernels.flash_attention.cudnn import cudnn_unsupported
 from pallas_kernels.flash_attention.splash import splash_unsupported
 
 IMPLEMENTATIONS = implementations("flash_attention")
@@ -44,11 +45,12 @@ def flash_attention(
       kv_segment_ids: optional [B, S] segment id of each key; defaults to segment_ids when S == T (required
         otherwise, e.g. a chunk of queries continuing a cached prefix). Needs segment_ids. The Pallas kernels
         skip every (query tile, key tile) pair whose segment ranges do not meet.
-      implementation: "auto" (on a TPU splash where it covers the call, else our Mosaic kernel; our Triton
-        kernel on a GPU; "xla" on CPU), "xla" (blockwise XLA), "pallas" (the Pallas kernel of this platform;
-        interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific kernel of ours; interpret mode on CPU),
-        "splash" (Google's splash attention TPU kernel, see flash_attention.splash for what it covers;
-        interpret mode on CPU), or "reference" (materialises the scores; for testing).
+      implementation: "auto" (on a TPU splash where it covers the call, else our Mosaic kernel; on a GPU cuDNN
+        where it covers the call, else our Triton kernel; "xla" on CPU), "xla" (blockwise XLA), "pallas" (the
+        Pallas kernel of this platform; interpret mode on CPU), "pallas_gpu", "pallas_tpu" (a specific kernel of
+        ours; interpret mode on CPU), "splash" (Google's splash attention TPU kernel, see flash_attention.splash
+        for what it covers; interpret mode on CPU), "cudnn" (NVIDIA's cuDNN fused attention, GPU only, see
+        flash_attention.cudnn for what it covers), or "reference" (materialises the scores; for testing).
       block_sizes: BlockSizes; default per backend and head dim (BlockSizes.default). Not used by splash
         (its tiles follow the lengths).
     Returns:
@@ -74,6 +76,16 @@ def flash_attention(
             raise ValueError(f"flash_attention(implementation='splash'): {why_not}")
         if requested == "auto" and why_not is None:
             implementation = "splash"
+    if implementation == "cudnn" or (requested == "auto" and implementation == "pallas_gpu"):
+        why_not = cudnn_unsupported(q, k, causal=causal, q_offset=q_offset, segments_given=q_seg is not None)
+        if implementation == "cudnn" and why_not:
+            raise ValueError(f"flash_attention(implementation='cudnn'): {why_not}")
+        if requested == "auto" and why_not is None:
+            implementation = "cudnn"
+    if implementation == "cudnn":
+        from pallas_kernels.flash_attention.cudnn import flash_attention_cudnn
+
+        return flash_attention_cudnn(q, k, v, causal=causal, scale=scale, q_offset=q_offset)
     if implementation == "splash":
         from pallas_kernels.flash_attention.splash import flash_attention_splash
 
