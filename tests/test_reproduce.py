@@ -4,7 +4,7 @@ it, and the run plan."""
 import pytest
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.experiments import reproduce
+from hydrahead_jax.experiments import claims, reproduce
 
 
 def test_a_workdir_refuses_another_study_or_changed_claims(tmp_path, monkeypatch):
@@ -30,6 +30,18 @@ def test_only_names_parts_and_runs_are_seed_major():
     specs = reproduce.run_specs(study, reproduce.parts_of([]))
     base = [s for s in specs if s.scale == 1.0]
     assert len([s for s in base if s.arm == "head_7to1"]) == 5 and len([s for s in base if s.arm == "all_la"]) == 3
-    assert len(base) == 2 * 5 + 5 * 3 and len(specs) == len(base) + 2 * 3
+    assert len(base) == 2 * 5 + 6 * 3 and len(specs) == len(base) + 2 * 3
     assert [s.seed for s in base] == sorted(s.seed for s in base)  # every arm's first seeds come first
     assert {s.arm for s in reproduce.run_specs(study, ["convergence"])} == set(reproduce.PRIMARY)
+
+
+def test_exploratory_comparisons_name_arms_of_the_study():
+    for arm_a, arm_b, metric in claims.EXPLORATORY:
+        assert {arm_a, arm_b} <= set(reproduce.ARMS) and metric in claims.METRICS
+
+
+def test_fa_placement_by_hand():
+    assert reproduce.fa_placement([[[2], [], [], [], [0, 1, 3]]] * 2) == "0:1 4:3"
+    assert reproduce.fa_placement([[[0], []], [[], [1]]]) == "per seed"
+    assert reproduce.fa_placement([None, [[], []]]) == "none"
+    assert reproduce.fa_placement([None]) == "—"

@@ -27,6 +27,7 @@ from hydrahead_jax.selection.select import (
     rank_normalise,
     run_selection,
     select_fa_groups,
+    selection_budget,
     validate_config,
 )
 
@@ -254,6 +255,21 @@ def test_per_layer_and_global_top_k():
     # 0.5 of 12 → 6: the 0.4 tie at layer 3 goes to the lower group index
     assert select_fa_groups(SCORES, ratio=0.5, allocation="global") == [[1], [0, 2], [1, 2], [0]]
     assert select_fa_groups(SCORES, ratio="11:1", allocation="global") == [[], [], [1], []]  # at least one
+
+
+def test_whole_layers_takes_the_layers_with_the_highest_mean_score():
+    # Layer means of SCORES: 1.3/3, 1.5/3, 1.6/3, 0.9/3. 3:1 of 12 groups → 3 groups → 1 whole layer of 3: layer 2.
+    assert select_fa_groups(SCORES, ratio="3:1", allocation="whole_layers") == [[], [], [0, 1, 2], []]
+    # 1:1 → 6 groups → 2 layers: layers 2 and 1 (the two highest means).
+    assert select_fa_groups(SCORES, ratio="1:1", allocation="whole_layers") == [[], [0, 1, 2], [0, 1, 2], []]
+    # 11:1 → round(1) group → the nearest whole layers is 0, raised to the one layer a non-zero ratio needs.
+    assert select_fa_groups(SCORES, ratio="11:1", allocation="whole_layers") == [[], [], [0, 1, 2], []]
+    # Ties between layer means go to the lower layer.
+    tied = np.array([[1.0, 0.0], [0.0, 1.0], [0.2, 0.2]])
+    assert select_fa_groups(tied, ratio="2:1", allocation="whole_layers") == [[0, 1], [], []]
+    budget = selection_budget("7:1", "whole_layers", 30, 3)  # SmolLM2: 11 groups → 3.67 layers → 4 = 12 groups
+    assert (budget["target_fa_groups"], budget["fa_groups"], budget["exact"]) == (11, 12, False)
+    assert selection_budget("3:1", "whole_layers", 8, 4)["exact"]  # 8 groups = 2 layers of 4
 
 
 def test_random_is_seeded_and_layerwise_matches_head_map():

@@ -91,6 +91,15 @@ CLAIMS = (
 )
 
 
+# Comparisons added after the claims were fixed, reported with estimates and intervals only (never decided): the
+# probe-placed layer-wise arm against head-level 7:1 and against the periodic layer-wise 3:1.
+EXPLORATORY = (
+    ("head_7to1", "layer_3to1_probe", "mqar64"),
+    ("head_7to1", "layer_3to1_probe", "kl"),
+    ("layer_3to1_probe", "layer_3to1", "mqar64"),
+)
+
+
 def claims_spec() -> list[dict[str, Any]]:
     """The claims and the test settings as JSON data (written to the workdir before the first run)."""
     spec = [
@@ -142,6 +151,36 @@ def _values(summaries, arm: str, key: str) -> dict[int, float]:
     return {s: v[key] for s, v in summaries.get(arm, {}).items() if v.get(key) is not None}
 
 
+def _estimate(summaries, arm_a: str, arm_b: str, metric: str, alpha: float, resamples: int, seed: int):
+    """({metric, n_seeds, seeds, and with >= 2 paired seeds estimate = mean(A − B) and its two-sided (1 − α)
+    percentile bootstrap interval}, the bootstrap means of sign·(A − B) or None)."""
+    key, sign = METRICS[metric]
+    seeds, a, b = paired(_values(summaries, arm_a, key), _values(summaries, arm_b, key))
+    comp: dict[str, Any] = {"metric": metric, "n_seeds": len(seeds), "seeds": seeds}
+    if len(seeds) < 2:
+        return comp, None
+    raw = a - b  # A − B in the metric's own units
+    means = bootstrap_means(sign * raw, resamples, seed)
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2]) * sign
+    comp.update(estimate=float(raw.mean()), ci_low=float(min(lo, hi)), ci_high=float(max(lo, hi)))
+    return comp, means
+
+
+def exploratory(
+    summaries: dict[str, dict[int, dict[str, float]]],
+    *,
+    alpha: float = ALPHA,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> list[dict[str, Any]]:
+    """The ``EXPLORATORY`` comparisons: estimate and interval only, no test and no decision."""
+    rows = []
+    for arm_a, arm_b, metric in EXPLORATORY:
+        comp, _ = _estimate(summaries, arm_a, arm_b, metric, alpha, resamples, seed)
+        rows.append({"arms": [arm_a, arm_b], **comp})
+    return rows
+
+
 def decide(
     summaries: dict[str, dict[int, dict[str, float]]],
     *,
@@ -156,22 +195,12 @@ def decide(
     for claim in claims:
         comps, p_sup, p_con, n = [], [], [], None
         for c in claim.components:
-            key, sign = METRICS[c.metric]
-            seeds, a, b = paired(_values(summaries, claim.arm_a, key), _values(summaries, claim.arm_b, key))
-            n = len(seeds) if n is None else min(n, len(seeds))
-            comp = {"metric": c.metric, "margin": c.margin, "n_seeds": len(seeds), "seeds": seeds}
-            if len(seeds) >= 2:
-                raw = a - b  # A − B in the metric's own units
-                means = bootstrap_means(sign * raw, resamples, seed)
+            comp, means = _estimate(summaries, claim.arm_a, claim.arm_b, c.metric, alpha, resamples, seed)
+            comp["margin"] = c.margin
+            n = comp["n_seeds"] if n is None else min(n, comp["n_seeds"])
+            if means is not None:
                 ps, pc = one_sided_pvalues(means, -c.margin)
-                lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2]) * sign
-                comp.update(
-                    estimate=float(raw.mean()),
-                    ci_low=float(min(lo, hi)),
-                    ci_high=float(max(lo, hi)),
-                    p_support=ps,
-                    p_contra=pc,
-                )
+                comp.update(p_support=ps, p_contra=pc)
                 p_sup.append(ps)
                 p_con.append(pc)
             comps.append(comp)

@@ -73,6 +73,14 @@ ARMS = {
     "random_7to1": {"selection.method": "random", "selection.ratio": "7:1", "selection.allocation": "global"},
     "all_la": {"selection.method": "all_la"},
     "head_7to1_nofusion": {**HEAD, "selection.ratio": "7:1", "hybrid.fusion": "none"},
+    # Layer-wise 3:1 at the layers the probe scores highest (not a claim's arm): it separates the granularity of
+    # head-level selection from the placement the probe gives it, since the periodic layer-wise arms keep the
+    # last layers whatever the teacher's retrieval heads are.
+    "layer_3to1_probe": {
+        "selection.method": "combined",
+        "selection.allocation": "whole_layers",
+        "selection.ratio": "3:1",
+    },
 }
 CONVERGENCE = "convergence"
 TEACHER = "teacher"
@@ -726,9 +734,10 @@ def local_records(study: Study, workdir: Path) -> list[dict]:
         )
         if _finished(vdir, digest):
             data = _read_json(vdir / "eval.json")
+            head_map = _read_json(vdir / "head_map.json") or {}
             records.append(
                 {k: v for k, v in data.items() if k != "config_hash"}
-                | {"stage_seconds": _read_json(vdir / "timings.json") or {}}
+                | {"stage_seconds": _read_json(vdir / "timings.json") or {}, "fa_groups": head_map.get("fa_groups")}
             )
     return records
 
@@ -768,6 +777,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
             {k: c[k] for k in ("id", "statement", "decision", "estimate", "ci_low", "ci_high", "n_seeds")} | c
             for c in decided
         ],
+        "exploratory": claims_mod.exploratory(base),
         "convergence": convergence(study, records, pairs),
         "teacher": {
             "digest": digest,
@@ -845,8 +855,20 @@ def arm_table(results: dict) -> dict[str, dict[str, Any]]:
             "kl": _mean_spread([r["kl"] for r in rs]),
             "niah": _mean_spread([r["niah"]["accuracy"] for r in rs]),
             "kv_bytes_per_token": rs[0]["kv_bytes_per_token"],
+            "fa_placement": fa_placement([r.get("fa_groups") for r in rs]),
         }
     return table
+
+
+def fa_placement(fa_groups_per_seed: list) -> str:
+    """Where an arm keeps softmax attention: "layer:groups" for each layer with FA groups (e.g. "0:1 4:3"), the
+    same for every seed; "per seed" when the seeds differ (random selection); "—" when unrecorded."""
+    shown = {
+        " ".join(f"{layer}:{len(groups)}" for layer, groups in enumerate(fa) if groups) or "none"
+        for fa in fa_groups_per_seed
+        if fa is not None
+    }
+    return shown.pop() if len(shown) == 1 else ("per seed" if shown else "—")
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -867,7 +889,18 @@ def render(results: dict, plots: list[str]) -> str:
         "bootstrap percentile intervals; decisions use Holm-adjusted one-sided bootstrap p-values.",
         "",
     ]
-    lines += ["## Teacher", ""]
+    lines += [
+        "## Exploratory comparisons (added after the claims were fixed: estimates only, no test)",
+        "",
+        "| A − B | metric | estimate [95 % interval] | seeds |",
+        "|---|---|---|---|",
+    ]
+    for e in results.get("exploratory", []):
+        lines.append(
+            f"| {e['arms'][0]} − {e['arms'][1]} | {e['metric']} | {_fmt(e.get('estimate'), 4)} "
+            f"[{_fmt(e.get('ci_low'), 4)}, {_fmt(e.get('ci_high'), 4)}] | {e['n_seeds']} |"
+        )
+    lines += ["", "## Teacher", ""]
     training = t.get("training") or {}
     lines.append(
         f"MQAR-{acc['pairs']} recall {acc['recall']:.4f}; with its {len(acc['ablated_groups'])} top probe-scored "
@@ -881,12 +914,15 @@ def render(results: dict, plots: list[str]) -> str:
         + "."
     )
     lines += ["", "## Arms (base budget; mean ± sample std over seeds)", ""]
-    lines += ["| arm | seeds | MQAR recall | KL | NIAH | KV bytes/token |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| arm | seeds | MQAR recall | KL | NIAH | KV bytes/token | FA layer:groups |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for arm, row in arm_table(results).items():
         m, kl, niah = row["mqar"], row["kl"], row["niah"]
         lines.append(
             f"| {arm} | {row['seeds']} | {_fmt(m[0])} ± {_fmt(m[1])} | {_fmt(kl[0], 4)} ± {_fmt(kl[1], 4)} | "
-            f"{_fmt(niah[0])} ± {_fmt(niah[1])} | {row['kv_bytes_per_token']} |"
+            f"{_fmt(niah[0])} ± {_fmt(niah[1])} | {row['kv_bytes_per_token']} | {row['fa_placement']} |"
         )
     conv = results["convergence"]
     lines += ["", f"## Convergence (x{conv['scale']:g} budget)", "", f"converged: {conv['converged']}"]

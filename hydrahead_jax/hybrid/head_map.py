@@ -6,7 +6,7 @@ File format (``format_version`` 1)::
      "model": {"name": ..., "num_layers": L, "num_heads": Hq, "num_kv_heads": G, "head_dim": D},
      "granularity": "kv_group",
      "target_ratio": "7:1" | "25%" | "0.25" | null,     # LA:FA, or the FA fraction
-     "allocation": "per_layer" | "global",
+     "allocation": "per_layer" | "global" | "whole_layers",
      "method": "retrieval" | "ablation" | "layerwise" | "all_fa" | ...,
      "probe": {...},                                     # settings of the probe that produced the scores
      "scores": {"retrieval": [[...G floats...] × L], ...},
@@ -31,7 +31,7 @@ from typing import Any
 from hydrahead_jax.config import ModelConfig
 
 FORMAT_VERSION = 1
-ALLOCATIONS = ("per_layer", "global")
+ALLOCATIONS = ("per_layer", "global", "whole_layers")
 GRANULARITY = "kv_group"
 _MODEL_FIELDS = ("name", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
@@ -73,14 +73,16 @@ def parse_ratio(ratio: str | float | int) -> float:
 
 
 def fa_group_count(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> int:
-    """The one ratio → FA-count rule: FA groups per layer ("per_layer") or in the whole model ("global").
+    """The one ratio → FA-count rule: FA groups per layer ("per_layer") or in the whole model ("global",
+    "whole_layers").
 
     With FA fraction f, L layers and G KV groups per layer:
 
-        per_layer:  k = f·G in every layer; f·G must be a whole number. Rounding it would silently change the
-                    ratio (3:1 on 3 groups is 0.75 → 1, i.e. 2:1), so any other ratio is an error that lists the
-                    ratios a layer can meet and points to global allocation.
-        global:     n = round(f·L·G), half up (the nearest achievable budget; 7:1 of 90 groups is 11.25 → 11).
+        per_layer:    k = f·G in every layer; f·G must be a whole number. Rounding it would silently change the
+                      ratio (3:1 on 3 groups is 0.75 → 1, i.e. 2:1), so any other ratio is an error that lists the
+                      ratios a layer can meet and points to global allocation.
+        global:       n = round(f·L·G), half up (the nearest achievable budget; 7:1 of 90 groups is 11.25 → 11).
+        whole_layers: m·G, whole layers of G groups, m = ``whole_layer_count`` (the layer-wise baseline's rule).
 
     A non-zero ratio that buys no FA group is an error, not a silent all-LA model; f = 0 gives 0.
     """
@@ -103,7 +105,17 @@ def fa_group_count(ratio: str | float, allocation: str, num_layers: int, num_gro
             f"ratio {ratio!r} (FA fraction {f:.4g}) of {num_layers * num_groups} KV groups rounds to 0 FA "
             "groups; choose a larger FA fraction."
         )
+    if allocation == "whole_layers":
+        return whole_layer_count(count, num_groups) * num_groups
     return count
+
+
+def whole_layer_count(target_groups: int, num_groups: int) -> int:
+    """Whole layers of ``num_groups`` KV groups nearest a budget of ``target_groups`` FA groups; on a tie the
+    fewer (a tie never buys the larger cache); at least one for a non-zero budget."""
+    fewer, more = target_groups // num_groups, -(-target_groups // num_groups)
+    m = fewer if target_groups - fewer * num_groups <= more * num_groups - target_groups else more
+    return max(m, 1) if target_groups > 0 else 0
 
 
 def fa_budget(cfg: ModelConfig, ratio: str | float, allocation: str) -> int:
@@ -197,9 +209,7 @@ class HeadMap:
         if fa_layers is None:
             f = parse_ratio(ratio)
             target = fa_budget(cfg, ratio, "global")
-            fewer, more = target // G, -(-target // G)
-            m = fewer if target - fewer * G <= more * G - target else more
-            m = max(m, 1) if target > 0 else 0
+            m = whole_layer_count(target, G)
             if f > 0 and abs(1 / f - round(1 / f)) < 1e-9 and len(range(L - 1, -1, -round(1 / f))) == m:
                 chosen = set(range(L - 1, -1, -round(1 / f)))
             else:

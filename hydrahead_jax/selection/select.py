@@ -9,9 +9,12 @@ Methods (scores are [layers × KV groups], higher = keep as full attention):
   random      a seeded uniform draw (the baseline)
   layerwise   whole layers FA, the layer-wise hybrid baseline (HeadMap.layerwise; allocation is ignored)
 Allocation: ``per_layer`` keeps the same number of FA groups k = f·G in every layer (f·G must be a whole number);
-``global`` keeps the top round(f·L·G) groups of the whole model (``head_map.fa_group_count``, the one rule). Every
-head map records the FA-group budget it was sized to (``HeadMap.budget``); the random baseline meets HydraHead's
-budget exactly, the layer-wise one to the nearest whole layer (``HeadMap.layerwise``).
+``global`` keeps the top round(f·L·G) groups of the whole model (``head_map.fa_group_count``, the one rule);
+``whole_layers`` keeps whole layers, as many as the layer-wise baseline, but the ones whose groups score highest
+on average (a layer-wise hybrid placed by the probe instead of by a fixed period: it separates where FA is kept
+from the granularity it is kept at). Every head map records the FA-group budget it was sized to
+(``HeadMap.budget``); the random baseline meets HydraHead's budget exactly, the layer-wise ones to the nearest
+whole layer (``HeadMap.layerwise``, ``head_map.whole_layer_count``).
 """
 
 from __future__ import annotations
@@ -260,16 +263,27 @@ def fa_count(ratio: str | float, allocation: str, num_layers: int, num_groups: i
 
 
 def selection_budget(ratio: str | float, allocation: str, num_layers: int, num_groups: int) -> dict[str, Any]:
-    """The FA-group budget a score-based or random selection meets exactly (``HeadMap.budget``)."""
+    """The FA-group budget of a score-based or random selection (``HeadMap.budget``): exact for per-layer and
+    global allocation, the nearest whole layers for whole_layers."""
     k = fa_count(ratio, allocation, num_layers, num_groups)
     total = k * num_layers if allocation == "per_layer" else k
-    rule = f"{k} per layer x {num_layers} layers" if allocation == "per_layer" else f"top {k} of the whole model"
+    target = total
+    if allocation == "per_layer":
+        rule = f"{k} per layer x {num_layers} layers"
+    elif allocation == "global":
+        rule = f"top {k} of the whole model"
+    else:
+        target = fa_count(ratio, "global", num_layers, num_groups)
+        rule = (
+            f"{k // num_groups} whole layers of {num_groups} KV groups with the highest mean score "
+            f"({target} / {num_groups} = {target / num_groups:.4g} layers, nearest; a tie takes the fewer)"
+        )
     return {
         "matches": "hydrahead_fa_kv_groups",
         "ratio": str(ratio),
-        "target_fa_groups": total,
+        "target_fa_groups": target,
         "fa_groups": total,
-        "exact": True,
+        "exact": total == target,
         "rule": f"{rule} ({allocation} allocation)",
     }
 
@@ -333,6 +347,9 @@ def select_fa_groups(
     if allocation == "per_layer":
         for layer in range(num_layers):
             chosen[layer] = sorted(g for _, g in _top(scores[layer : layer + 1], k))
+    elif allocation == "whole_layers":
+        for layer, _ in _top(scores.mean(axis=1, keepdims=True), k // num_groups):
+            chosen[layer] = list(range(num_groups))
     else:
         for layer, g in _top(scores, k):
             chosen[layer].append(g)
