@@ -3,7 +3,9 @@
 from setuptools import find_packages, setup
 
 CORE = [
-    "jax>=0.11.2",
+    # The versions the kernels' Pallas-Triton lowering and private-API glue were tried with (pallas_kernels.dispatch.
+    # TRIED_JAX); jax 0.12 deprecates the Pallas-Triton lowering, so a later jax is not taken on trust.
+    "jax>=0.11.2,<0.12.1",
     "flax>=0.12",
     "optax>=0.2.5",
     "orbax-checkpoint>=0.11",
@@ -48,7 +50,7 @@ setup(
             # jax[tpu] pins for the jax this project is tried with (jax 0.12.0.x -> libtpu 0.0.50.x).
             "libtpu==0.0.50.1",
         ],
-        "gpu": ["jax[cuda12]>=0.11.2"],
-        "tpu": ["jax[tpu]>=0.11.2"],
+        "gpu": ["jax[cuda12]>=0.11.2,<0.12.1"],
+        "tpu": ["jax[tpu]>=0.11.2,<0.12.1"],
     },
 )

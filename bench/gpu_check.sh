@@ -2,7 +2,8 @@
 # GPU check of the Pallas kernels on a fresh NVIDIA machine (made for one H200): installs what it needs, checks the
 # values and gradients of flash_attention and chunk_gated_delta_rule (implementation="pallas") against the pure-JAX
 # references, then prints TFLOP/s and ratios against cuDNN attention, XLA and flash-linear-attention (fla-core)
-# measured in the same run. Needs only this checkout, Python >= 3.12 and the package registry (PyPI).
+# measured in the same run. Needs only this checkout and the package registry (PyPI): uv builds the venv with its own
+# Python 3.12 when the machine has none. A machine without the registry runs it with --no-install on its own JAX.
 #
 #   bash bench/gpu_check.sh                       # full run, at most 8 minutes including the install
 #   bash bench/gpu_check.sh --quick               # fewer cases and rows, at most 3 minutes
@@ -11,7 +12,8 @@
 #   make gpu-check                                # the full run
 #
 # Options:
-#   --cuda 12|13        CUDA wheels to install (default: from the driver's CUDA version that nvidia-smi reports;
+#   --cuda 12|13        CUDA wheels to install (default: from the driver's CUDA version that nvidia-smi reports, and
+#                       a stop naming this option when nvidia-smi cannot tell;
 #                       13: jax[cuda13] + torch 2.13, which share one CUDA 13 stack; 12: jax[cuda12] + torch 2.10,
 #                       the newest torch on PyPI built for CUDA 12)
 #   --no-install        use $PYTHON (default python3) as it is; peers that are not importable are skipped, except
@@ -20,8 +22,9 @@
 #                       --dry-run 600, a limit for a loaded CI box: it takes under a minute on an idle 2-core CPU);
 #                       what is left when it is spent is skipped with a printed note
 #   --out DIR           results folder (default $OUT if set, else bench/results/gpu)
-# Environment: PYTHON (the interpreter to build the venv from), GPU_CHECK_DIR (default .venv-gpu: the venv env/,
-#   reused while the pinned requirements are unchanged, uv's download cache and JAX's compilation cache).
+# Environment: PYTHON (the interpreter, or a version such as 3.12, uv builds the venv from; default 3.12, found or
+#   downloaded by uv), GPU_CHECK_DIR (default .venv-gpu: the venv env/, reused while the pinned requirements are
+#   unchanged, uv itself when it is not on PATH, uv's download cache and JAX's compilation cache).
 # Output: DIR/gpu_check.md (paste into bench/RESULTS.md), DIR/gpu_check.json, and per kernel <kernel>.md/.json.
 # Exit status: 0 all checks passed; 1 a check failed or a script crashed (the first line of the summary says
 #   which); 2 nothing failed but checks were skipped for time; 64 bad usage; 69 the environment cannot be set up.
@@ -73,7 +76,9 @@ if [ -z "$cuda" ] && [ "$mode" != dry-run ]; then
   if [ -n "$detected" ] && [ "$detected" -ge 13 ]; then cuda=13
   elif [ -n "$detected" ] && [ "$detected" -eq 12 ]; then cuda=12
   elif [ -n "$detected" ]; then die "the NVIDIA driver supports CUDA $detected; JAX $JAX_VERSION needs CUDA 12 or 13 (update the driver)"
-  else cuda=13; cuda_note="nvidia-smi not found or silent: assuming CUDA 13 (pass --cuda 12 for an older driver)"
+  elif [ "$install" = 1 ] && [ "$plan_only" = 0 ]; then
+    die "cannot tell the driver's CUDA version (nvidia-smi is missing or printed none): pass --cuda 13 for a driver \
+that supports CUDA 13 (R580 or newer), else --cuda 12; or --no-install to use a Python that already has JAX with CUDA" 64
   fi
 fi
 if [ "$cuda" = 12 ]; then TORCH_VERSION=$TORCH_FOR_CUDA12; else TORCH_VERSION=$TORCH_FOR_CUDA13; fi
@@ -91,21 +96,27 @@ WHEELS=$GPU_DIR/wheels
 
 stamp_matches() { [ -f "$STAMP" ] && cmp -s "$STAMP" <(printf '%s\n' "${REQUIREMENTS[@]}" "${AFTER[@]}"); }
 
-find_python() {  # $PYTHON if set, else the repository's search (PATH, then pyenv's versions)
-  if [ -n "${PYTHON:-}" ]; then
-    "$PYTHON" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$PYTHON"; return 0; }
-    echo "PYTHON=$PYTHON is not a Python >= 3.12 with venv" >&2; return 1
-  fi
-  scripts/find_python.sh
+# uv on PATH, else the one kept in $GPU_DIR/uv, else fetched there by pip (any python3 with pip will do, whatever
+# its version: uv is a standalone binary). uv then builds the venv with a Python 3.12 it finds or downloads itself.
+UV_HOME=$GPU_DIR/uv
+find_uv() {
+  local py
+  command -v uv && return 0
+  [ -x "$UV_HOME/bin/uv" ] && { echo "$UV_HOME/bin/uv"; return 0; }
+  py=$(command -v python3 || command -v python) || { echo "gpu_check: no uv on PATH and no python3 to fetch it with" >&2; return 1; }
+  "$py" -m pip install -q --retries 1 --timeout 20 --target "$UV_HOME" "uv==$UV_VERSION" >&2 \
+    || { echo "gpu_check: could not fetch uv==$UV_VERSION with $py -m pip (is the package registry reachable?)" >&2; return 1; }
+  echo "$UV_HOME/bin/uv"
 }
 
 if [ "$plan_only" = 1 ]; then
   echo "gpu_check install plan (nothing is changed)"
   echo "  mode:          $mode, budget ${budget} s, results in $out"
-  echo "  driver CUDA:   $(driver_cuda || true)${cuda_note:+ (${cuda_note})}"
-  echo "  python:        $(find_python 2>/dev/null || echo 'none >= 3.12 with venv found: install python3.12 or set PYTHON')"
+  detected=$(driver_cuda || true)
+  echo "  driver CUDA:   ${detected:-none found (nvidia-smi missing or silent)}; $([ -n "$cuda" ] && echo "wheels for CUDA $cuda" || echo "a run stops and asks for --cuda 12 or 13")"
+  echo "  python:        ${PYTHON:-3.12} (uv venv --python: a matching Python of this machine, else one uv downloads)"
   echo "  venv:          $VENV$(stamp_matches && echo ' (up to date: reused)')"
-  echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION, installed into the venv by pip"); pip if uv's install fails"
+  echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION, fetched by pip into $UV_HOME"); the venv's pip if uv's install fails"
   echo "  requirements:  ${REQUIREMENTS[*]}"
   [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
   echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
@@ -127,21 +138,18 @@ export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 # unreachable registry costs seconds, not minutes) the install gives up. uv does not read pip's configuration, so an
 # index-url set for pip on this machine (a registry mirror) is handed to it.
 install_venv() {
-  local base uv index t0; t0=$(date +%s)
-  base=$(find_python) || { echo "gpu_check: no Python >= 3.12 to build $VENV from (or set PYTHON)" >&2; return 1; }
-  echo "== installing into $VENV with $base: ${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}}"
+  local uv index t0; t0=$(date +%s)
   mkdir -p "$GPU_DIR" && echo '*' > "$GPU_DIR/.gitignore"
-  rm -rf "$VENV"
-  "$base" -m venv "$VENV" || { echo "gpu_check: '$base -m venv' failed (Debian/Ubuntu: apt-get install python3.12-venv)" >&2; return 1; }
-  uv=$(command -v uv || true)
-  if [ -z "$uv" ]; then
-    "$VENV/bin/python" -m pip install -q --retries 1 --timeout 20 "uv==$UV_VERSION" || {
-      echo "gpu_check: could not install uv==$UV_VERSION from the package registry (is it reachable?)" >&2; return 1; }
-    uv="$VENV/bin/uv"
-  fi
-  index=$("$VENV/bin/python" -m pip config get global.index-url 2>/dev/null || true)
+  uv=$(find_uv) || return 1
+  index=$({ command -v python3 >/dev/null && python3 -m pip config get global.index-url; } 2>/dev/null || true)
   export UV_CACHE_DIR=${UV_CACHE_DIR:-$GPU_DIR/uv-cache} UV_DEFAULT_INDEX=${UV_DEFAULT_INDEX:-${PIP_INDEX_URL:-$index}}
+  export UV_PYTHON_INSTALL_DIR=${UV_PYTHON_INSTALL_DIR:-$GPU_DIR/uv-python}
   [ -n "$UV_DEFAULT_INDEX" ] || unset UV_DEFAULT_INDEX
+  echo "== installing into $VENV (Python ${PYTHON:-3.12} by uv): ${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}}"
+  rm -rf "$VENV"
+  "$uv" venv --seed --python "${PYTHON:-3.12}" "$VENV" || {
+    echo "gpu_check: uv could not find or download Python ${PYTHON:-3.12} for $VENV (set PYTHON to an interpreter)" >&2
+    return 1; }
   if ! "$uv" pip install --python "$VENV/bin/python" "${REQUIREMENTS[@]}"; then
     echo "== uv's install failed: trying pip (slower)"
     "$VENV/bin/python" -m pip install -q "${REQUIREMENTS[@]}" || return 1
@@ -156,7 +164,7 @@ install_venv() {
 # with --no-index into a folder on PYTHONPATH (torch and triton come from the machine's own Python).
 WHEELS_PINNED=("fla-core==$FLA_VERSION" "einops")
 fetch_wheels() {
-  local base; base=$(find_python) || die "no Python >= 3.12 to run pip with (or set PYTHON)"
+  local base; base=$(command -v "${PYTHON:-python3}") || die "no ${PYTHON:-python3} to run pip with (or set PYTHON)"
   mkdir -p "$WHEELS" && echo '*' > "$GPU_DIR/.gitignore"
   "$base" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${WHEELS_PINNED[@]}" \
     || die "could not download ${WHEELS_PINNED[*]} (is the package registry reachable?)"
@@ -187,7 +195,6 @@ elif [ "$install" = 0 ]; then
   echo "== --no-install: using $PY as it is"
   add_offline_fla "$PY"
 else
-  [ -n "${cuda_note:-}" ] && echo "== $cuda_note"
   PY="$VENV/bin/python"
   if [ -x "$PY" ] && stamp_matches && "$PY" -c 'import jax, torch, fla' 2>/dev/null; then
     echo "== reusing $VENV (${REQUIREMENTS[*]}${AFTER[*]:+ ${AFTER[*]}})"

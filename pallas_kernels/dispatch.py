@@ -55,6 +55,24 @@ def tracing_for(platform: str):
         _target_platform.pop()
 
 
+# The jax versions whose Pallas-Triton lowering and private APIs the GPU kernels were tried with (setup.py pins them).
+TRIED_JAX = "jax>=0.11.2,<0.12.1"
+
+
+def pallas_triton():
+    """``jax.experimental.pallas.triton``, or an ImportError in one line naming the fix: the Pallas-Triton lowering
+    is deprecated in jax 0.12 and will leave a later jax, which would otherwise fail deep inside a kernel import."""
+    try:
+        from jax.experimental.pallas import triton
+    except ImportError as e:
+        raise ImportError(
+            f"pallas_kernels: jax {jax.__version__} has no Pallas-Triton lowering ({e}); the GPU kernels need "
+            f"{TRIED_JAX} (pip install '{TRIED_JAX.replace('jax', 'jax[cuda12]', 1)}'), or use "
+            "implementation='cudnn' / 'xla'"
+        ) from None
+    return triton
+
+
 def platform_of(x=None) -> str:
     """The platform ``x`` lives on ("cpu", "gpu", "tpu"); for tracers and ``None`` the one :func:`tracing_for`
     names, else that of the abstract device of the current abstract mesh when it names one (tracing for another

@@ -212,6 +212,44 @@ def test_flash_attention_gpu_kernels_with_segment_ids_fit_an_h200(d, groups, cau
             assert s.spill_bytes == 0, (config, s)
 
 
+# The recipes' shapes: Qwen3-1.7B (16 query heads over 8 KV heads, d = 128) and SmolLM2-135M (9 over 3, d = 64) in
+# bf16; a decode step (T = 1) against caches of 4K and 32K keys (forward only) and a 16K-token prefill with its
+# gradient (stage 3's length).
+RECIPE_SHAPES = [
+    pytest.param(1, 4096, 16, 8, 128, False, id="qwen3-decode-4K"),
+    pytest.param(1, 32768, 16, 8, 128, False, id="qwen3-decode-32K"),
+    pytest.param(1, 32768, 9, 3, 64, False, id="smollm2-decode-32K"),
+    pytest.param(16384, 16384, 16, 8, 128, True, id="qwen3-prefill-16K-grad"),
+    pytest.param(16384, 16384, 9, 3, 64, True, id="smollm2-prefill-16K-grad"),
+]
+
+
+@pytest.mark.parametrize("t,s,hq,hkv,d,grad", RECIPE_SHAPES)
+def test_flash_attention_gpu_kernels_at_the_recipes_shapes_fit_an_h200(t, s, hq, hkv, d, grad, compile_table):
+    """The kernels at the shapes the recipes run: a decode step's query against the whole cache (q_offset = S − 1,
+    a grid of one query tile per head and batch row) and a 16K prefill with dq and dk/dv, within the H200's shared
+    memory and without spills (bf16)."""
+    q = jax.ShapeDtypeStruct((1, t, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, s, hkv, d), jnp.bfloat16)
+    blocks = BlockSizes.default("gpu", head_dim=d, dtype=jnp.bfloat16)
+
+    def attend(q, k, v):
+        return flash_attention_gpu(q, k, v, causal=True, scale=d**-0.5, q_offset=s - t, block_sizes=blocks)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    fn = jax.grad(loss, argnums=(0, 1, 2)) if grad else attend
+    with jax.default_matmul_precision("default"):  # as in the tests above
+        stats = cc.compile_triton_kernels(fn, q, kv, kv)
+    config = f"d={d} {hq}/{hkv} heads bf16 T={t} S={s}"
+    compile_table.extend((config, st) for st in stats)
+    want = ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"] if grad else ["flash_attention_fwd"]
+    assert [st.name for st in stats] == want
+    for st in stats:
+        assert st.shared_bytes <= cc.H200_SHARED_MEMORY_BYTES and st.spill_bytes == 0, (config, st)
+
+
 # ---------------------------------------------------------------- flash attention on a TPU
 
 

@@ -234,6 +234,20 @@ def test_auto_on_cpu_is_the_xla_path_and_interpret_logs_once(caplog, monkeypatch
     np.testing.assert_allclose(out, attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+def test_a_jax_without_the_pallas_triton_lowering_fails_in_one_line(monkeypatch):
+    """A jax whose ``jax.experimental.pallas.triton`` is gone (deprecated in jax 0.12) gets one line naming the
+    versions the kernels were tried with and the fallbacks, not an error deep inside a kernel module's import."""
+    import sys
+
+    import jax.experimental.pallas
+
+    # As if the submodule did not exist: not an attribute of the package, and None in sys.modules fails its import.
+    monkeypatch.delattr(jax.experimental.pallas, "triton", raising=False)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    with pytest.raises(ImportError, match=r"no Pallas-Triton lowering.*jax>=0\.11\.2,<0\.12\.1.*'cudnn' / 'xla'"):
+        dispatch.pallas_triton()
+
+
 @pytest.mark.parametrize(
     "kwargs,shapes,match",
     [

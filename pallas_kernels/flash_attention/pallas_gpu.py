@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.dispatch import pallas_triton
 from pallas_kernels.flash_attention._common import (
     MASK_VALUE,
     cdiv,
@@ -49,6 +49,8 @@ from pallas_kernels.flash_attention._common import (
     round_up,
     segment_tile_spans,
 )
+
+plgpu = pallas_triton()
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)

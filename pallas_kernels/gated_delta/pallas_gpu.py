@@ -24,9 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.dispatch import pallas_triton
 
 from . import chunk_math, chunk_parallel
+
+plt = pallas_triton()
 
 _F32 = jnp.float32
 
