@@ -9,10 +9,12 @@ Every backend runs the same parts:
        (I + A) ν = β v − (β e^G k) S,      A_ij = β_i (k_i·k_j) e^{G_i − G_j}  for i > j, else 0
        ⇒ ν = U − W S,   U = T (β v),  W = T (β e^G k),  T = (I + A)⁻¹   (unit lower triangular)
 
-   Why XLA and not the kernels: Triton has no triangular solve, and the solve-free products Π(I + A^{2^m}) lose
-   all precision when keys are correlated (powers of a strictly lower matrix of ones grow like binomial
-   coefficients, ~1e18 at C = 64). `unit_lower_solve` does it with exact block inversion in batched matmuls and
-   has its own VJP (two matmuls), so the backward never differentiates through the inversion steps.
+   The XLA path and the TPU kernels compute it here: `unit_lower_solve` inverts by exact block inversion in
+   batched matmuls (the solve-free products Π(I + A^{2^m}) lose all precision when keys are correlated: powers of
+   a strictly lower matrix of ones grow like binomial coefficients, ~1e18 at C = 64) and has its own VJP (two
+   matmuls), so the backward never differentiates through the inversion steps. On a GPU a kernel computes the
+   same quantities by blocked forward substitution (pallas_gpu's `_prologue_kernel`, given to `make_rule` as
+   ``prologue_call``); its VJP is this one's.
 
 2. The chunk functions (section 2), each one chunk of C tokens; D_ij = e^{G_i − G_j} for i ≥ j else 0:
 
@@ -174,14 +176,10 @@ def chunk_documents(segment_ids, chunk_size):
     return jnp.cumsum(starts.reshape(B, -1, C).astype(jnp.int32), axis=-1).astype(_F32)
 
 
-def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, doc=None):
-    """Pads T to a chunk multiple and computes the chunk-parallel WY quantities, all fp32.
-
-    Returns a dict of [B,H,N,C,·] arrays: q (scaled), k, w, u and gcum [B,H,N,C]. Padded steps have
-    g=0, β=0, k=0, so they leave the state unchanged (α=1, nothing written). With ``doc`` [B,N,C]
-    (`chunk_documents`), gcum is the segment-local cumulative decay, A only couples tokens of one document and
-    W's right-hand side only keeps the rows that read the carried state ("Packed documents" in the module docstring).
-    """
+def chunk_inputs(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size):
+    """The prologue's inputs, fp32 [B,H,N,C,·] (g, beta [B,H,N,C]): q, k L2-normalised when asked, q scaled, T
+    zero padded to a chunk multiple. Padded steps have g=0, β=0, k=0, so they leave the state unchanged (α=1,
+    nothing written)."""
     B, T, H, K = q.shape
     C = chunk_size
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.astype(_F32), k.astype(_F32))
@@ -195,7 +193,19 @@ def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, doc=None):
         x = jnp.moveaxis(x, 2, 1)
         return x.reshape(B, H, N, C, *x.shape[3:])
 
-    q, k, v, g, beta = map(to_chunks, (q, k, v, g, beta))
+    return tuple(map(to_chunks, (q, k, v, g, beta)))
+
+
+def chunk_prep(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, doc=None):
+    """Pads T to a chunk multiple and computes the chunk-parallel WY quantities, all fp32.
+
+    Returns a dict of [B,H,N,C,·] arrays: q (scaled), k, w, u and gcum [B,H,N,C] (`chunk_inputs` pads). With
+    ``doc`` [B,N,C] (`chunk_documents`), gcum is the segment-local cumulative decay, A only couples tokens of one
+    document and W's right-hand side only keeps the rows that read the carried state ("Packed documents" in the
+    module docstring).
+    """
+    C = chunk_size
+    q, k, v, g, beta = chunk_inputs(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=C)
     i = jnp.arange(C)[:, None]
     j = jnp.arange(C)[None, :]
     if doc is None:
@@ -449,7 +459,7 @@ def _pad_state(cfg, s):
     return jnp.pad(s, [(0, 0), (0, 0), (0, cfg.key_dim_padded - K), (0, cfg.value_dim_padded - V)])
 
 
-def make_rule(fwd_call, bwd_call, *, block_chunks=None):
+def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
     """The custom_vjp gated delta rule of a backend: ``rule(cfg, q, k, v, g, beta, s0, segment_ids) -> (o, s_final)``.
 
     q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], s0 [B,H,K,V] fp32, segment_ids [B,T] int or None → o [B,T,H,V]
@@ -463,6 +473,10 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
     document index [B,H,Tp,1] (`chunk_documents`). Saved for the backward: the inputs and the chunk-start states
     (what a sequential pass alone can give); everything else, the prologue included, is recomputed. Segment ids
     get no cotangent.
+
+    ``prologue_call(cfg, q, k, v, g, beta, doc)`` (a backend's prologue kernel; ``doc`` the document column
+    [B,H,Tp,1] or None): the operands of ``_prepare`` computed by the backend, used for the forward's operands and
+    for the backward's recomputed ones; the prologue's VJP stays `_prepare`'s (XLA). None: `_prepare` computes them.
 
     ``block_chunks`` None: the backward recomputes the prologue for the whole sequence and makes one ``bwd_call``.
     An int: the forward walks the sequence in blocks of that many chunks, carrying S, and saves only each block's
@@ -484,7 +498,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
         if block_chunks is not None:
             o, s_final, starts = _blocked_forward(fwd_call, block_chunks, cfg, (q, k, v, g, beta), s0, doc)
             return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, starts)
-        ops = _operands(cfg, _prepare(cfg, q, k, v, g, beta, doc))
+        ops = _operands(cfg, operands_of(cfg, q, k, v, g, beta, doc))
         doc_op = None if doc is None else _doc_operand(doc, H)
         o, s_final, states = fwd_call(*ops, doc_op, _pad_state(cfg, s0), prec=cfg.prec)
         o = jnp.moveaxis(o[:, :, :T, :V], 1, 2).astype(q.dtype)
@@ -499,7 +513,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
         V = v.shape[-1]
         doc = _documents(cfg, segment_ids)
         prepare = functools.partial(_prepare, cfg, doc=doc)
-        prepared = prepare(q, k, v, g, beta)
+        prepared = operands_of(cfg, q, k, v, g, beta, doc)
         grads = bwd_call(
             *_operands(cfg, prepared),
             None if doc is None else _doc_operand(doc, H),
@@ -514,6 +528,11 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None):
         (q, k, v, g, beta), grads = jax.lax.optimization_barrier(((q, k, v, g, beta), grads))
         _, prep_vjp = jax.vjp(prepare, q, k, v, g, beta)
         return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V], None)
+
+    def operands_of(cfg, q, k, v, g, beta, doc):
+        if prologue_call is None:
+            return _prepare(cfg, q, k, v, g, beta, doc)
+        return prologue_call(cfg, q, k, v, g, beta, None if doc is None else _doc_operand(doc, q.shape[2]))
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule

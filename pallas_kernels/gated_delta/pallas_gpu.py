@@ -1,5 +1,9 @@
-"""Pallas GPU (Triton lowering) gated delta rule: a sequential state kernel and chunk-parallel kernels.
+"""Pallas GPU (Triton lowering) gated delta rule: the WY prologue, a sequential state kernel and chunk-parallel
+kernels.
 
+Prologue (1 kernel, forward and again in the backward's recomputation): ``gated_delta_prologue``, grid (B, H, N):
+                          W, U and the cumulative decay G of each chunk by blocked forward substitution
+                          (`_prologue_kernel`); the prologue's VJP stays chunk_math's (XLA).
 Forward (2 kernels):
   ``gated_delta_state``   grid (B, H, V/BV): one program per value tile loops over the chunks with `fori_loop`,
                           carrying only its K×BV slice of the state in fp32 registers and storing each chunk-start
@@ -106,6 +110,150 @@ def _dstate_kernel(
     ds0_ref[...] = jax.lax.fori_loop(0, N, body, dsT_ref[...].astype(_F32))
 
 
+# ------------------------------------------------------------------------------------ the WY prologue as a kernel
+
+PROLOGUE_BLOCK = 16  # rows per block of the prologue's blocked forward substitution (Triton's smallest dot side)
+PROLOGUE_COLUMNS = 32  # key / value columns per product in the prologue (see _prologue_kernel)
+
+
+def _unit_lower_inverse_block(a, row, col):
+    """(I + a)⁻¹ of one strictly lower (S,S) fp32 block, by forward substitution over its rows in registers:
+
+        T = I;  for r = 1 … S−1:  T[r, :] = e_r − Σ_{j<r} a[r, j] T[j, :]
+
+    (rows j < r of T are final when row r is formed). Each step reads row r of ``a`` and writes row r of T with
+    masked reductions over the block: a register tensor cannot be indexed by row in Triton."""
+    S = a.shape[0]
+    t = (row == col).astype(_F32)
+    for r in range(1, S):
+        a_r = jnp.sum(jnp.where(row == r, a, 0.0), axis=0, keepdims=True)  # (1,S): a[r, j] in column j
+        a_col = jnp.sum(jnp.where(row == col, a_r, 0.0), axis=1, keepdims=True)  # (S,1): a[r, j] in row j
+        t = jnp.where(row == r, t - jnp.sum(a_col * t, axis=0, keepdims=True), t)
+    return t
+
+
+def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
+    """One chunk's WY quantities (chunk_math's module docstring, part 1), every product in fp32 at ``prec``:
+
+        G = cumsum(g),  A_ij = β_i (k_i·k_j) e^{G_i − G_j} (i > j),  T = (I + A)⁻¹,  W = T (β e^G k),  U = T (β v)
+
+    T by blocked forward substitution over b = C / S row blocks of S = PROLOGUE_BLOCK rows: each diagonal block
+    inverted in registers (`_unit_lower_inverse_block`), then column by column
+
+        T_ij = −T_ii Σ_{m=j}^{i−1} A_im T_mj    (i > j)
+
+    and W_i = Σ_{j≤i} T_ij R_j, U_i likewise, on the tensor cores. A's blocks are formed from k's row blocks as they
+    are needed, so neither A, T nor the fp32 W/U pass through HBM before the kernel writes W (operand dtype), U and
+    G (fp32). fp32 products, not bf16: ν = U − W S is a small difference of larger terms (`chunk_math.hi_lo`).
+    With a document column (``refs`` then starts with it), G is the segment-local sum, A couples tokens of one
+    document only and W's right-hand side keeps the rows that read the carried state (doc = 0), as in
+    ``chunk_math.chunk_prep``."""
+    doc_ref, w_ref, u_ref, gcum_ref = refs if len(refs) == 4 else (None, *refs)
+    S = PROLOGUE_BLOCK
+    nb = C // S
+    row = jax.lax.broadcasted_iota(jnp.int32, (S, S), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (S, S), 1)
+    rows = [pl.ds(i * S, S) for i in range(nb)]
+    as_row = functools.partial(chunk_math._as_row, row=row, col=col)
+    beta = [beta_ref[r, :] for r in rows]
+    gs = [g_ref[r, :] for r in rows]
+    docs = None if doc_ref is None else [doc_ref[r, :] for r in rows]
+
+    def couples(i, m):  # which (row of block i, row of block m) pairs A and G couple: earlier tokens, one document
+        keep = (row >= col) if m == i else (row >= 0)
+        return keep if docs is None else keep & (docs[i] == as_row(docs[m]))
+
+    gcum = []
+    for i in range(nb):  # G_i = Σ of g over the earlier tokens of i's document, block by block
+        gcum.append(
+            sum(jnp.sum(jnp.where(couples(i, m), as_row(gs[m]), 0.0), axis=1, keepdims=True) for m in range(i + 1))
+        )
+        gcum_ref[rows[i], :] = gcum[i]
+
+    kp, vp = k_ref.shape[-1], v_ref.shape[-1]
+    # Column slices of at most PROLOGUE_COLUMNS: the fp32 operands of one product stay small enough to live in
+    # registers under TF32×3, which splits each operand in two.
+    k_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, kp)) for c in range(0, kp, PROLOGUE_COLUMNS)]
+    v_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, vp)) for c in range(0, vp, PROLOGUE_COLUMNS)]
+
+    def a_block(i, m):  # A_im, strictly lower on the diagonal (m == i)
+        keep = couples(i, m) & (row > col) if m == i else couples(i, m)
+        decay = jnp.exp(jnp.where(keep, gcum[i] - as_row(gcum[m]), -jnp.inf))
+        gram = sum(
+            chunk_math.dot(k_ref[rows[i], c].astype(_F32), k_ref[rows[m], c].astype(_F32), prec, trans_b=True)
+            for c in k_cols
+        )
+        return beta[i] * gram * decay
+
+    def read_decay(j):  # r ⊙ e^G: only the document the chunk began in reads the carried state
+        return jnp.exp(gcum[j] if docs is None else jnp.where(docs[j] == 0, gcum[j], -jnp.inf))
+
+    a = {(i, m): a_block(i, m) for i in range(nb) for m in range(i)}
+    t = {(i, i): _unit_lower_inverse_block(a_block(i, i), row, col) for i in range(nb)}
+    for j in range(nb):
+        for i in range(j + 1, nb):
+            acc = sum(chunk_math.dot(a[i, m], t[m, j], prec) for m in range(j, i))
+            t[i, j] = -chunk_math.dot(t[i, i], acc, prec)
+    for i in range(nb):
+        for c in k_cols:
+            w = sum(
+                chunk_math.dot(t[i, j], beta[j] * read_decay(j) * k_ref[rows[j], c].astype(_F32), prec)
+                for j in range(i + 1)
+            )
+            w_ref[rows[i], c] = w.astype(w_ref.dtype)
+        for c in v_cols:
+            u = sum(chunk_math.dot(t[i, j], beta[j] * v_ref[rows[j], c].astype(_F32), prec) for j in range(i + 1))
+            u_ref[rows[i], c] = u
+
+
+def prologue_call(cfg, q, k, v, g, beta, doc, *, interpret=False):
+    """`chunk_math.make_rule`'s ``prologue_call``: the operands of ``chunk_math._prepare`` (q, k, W [B,H,Tp,Kp],
+    U [B,H,Tp,Vp], G [B,H,Tp,1]) with W, U and G from `_prologue_kernel`, one program per (batch, head, chunk);
+    ``doc`` the document column [B,H,Tp,1] or None. q, k (L2 norm, scale) and the layout come from
+    ``chunk_math.chunk_inputs``. Products: exact fp32 in interpret mode; on a GPU TF32×3 (about fp32) for fp32
+    operands and one TF32 pass for half-precision ones, whose W is rounded to the operand dtype anyway (TF32's
+    10-bit mantissa is finer than bf16's 7) and whose U is used against bf16 products downstream. TF32×3 splits
+    every operand in two and spills registers (bench/RESULTS.md, the gated delta compile table): the price of
+    fp32 runs, which are not the training dtype."""
+    C = cfg.chunk_size
+    if C % PROLOGUE_BLOCK:
+        raise ValueError(f"the prologue kernel needs a chunk size that is a multiple of {PROLOGUE_BLOCK}, got {C}")
+    q, k, v, g, beta = chunk_math.chunk_inputs(
+        q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=C
+    )
+    B, H, N, _, K = q.shape
+    V = v.shape[-1]
+    Kp, Vp, Tp = cfg.key_dim_padded, cfg.value_dim_padded, N * C
+
+    def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]
+        x = x.reshape(B, H, Tp, d)
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
+
+    q, k, v = flat(q, K, Kp), flat(k, K, Kp), flat(v, V, Vp)
+    g, beta = g.reshape(B, H, Tp, 1), beta.reshape(B, H, Tp, 1)
+    if interpret:
+        prec = jax.lax.Precision.HIGHEST
+    else:
+        prec = FP32_DOTS if cfg.operand_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    chunk = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))  # noqa: E731
+    operands = [k, v, g, beta] + ([] if doc is None else [doc])
+    w, u, gcum = pl.pallas_call(
+        functools.partial(_prologue_kernel, C=C, prec=prec),
+        grid=(B, H, N),
+        in_specs=[chunk(Kp), chunk(Vp), chunk(1), chunk(1)] + ([] if doc is None else [chunk(1)]),
+        out_specs=[chunk(Kp), chunk(Vp), chunk(1)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, Tp, Kp), cfg.operand_dtype),
+            jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
+            jax.ShapeDtypeStruct((B, H, Tp, 1), _F32),
+        ],
+        compiler_params=_params(gpu_config(Kp, Vp).warps_par),
+        interpret=interpret,
+        name="gated_delta_prologue",
+    )(*operands)
+    return q, k, w, u, gcum
+
+
 def _seq_specs(Tp, Kp, N, bv):
     """Block specs of the (B, H, V/bv) sequential grid: whole-sequence (T,K) and (T,bv) slabs, states, G."""
     full_k = pl.BlockSpec((None, None, Tp, Kp), lambda b, h, j: (b, h, 0, 0))
@@ -201,7 +349,11 @@ def bwd_call(q, k, w, u, g, doc, states, do, dsT, *, prec, chunk_size=64, interp
 def rule(chunk_size=64, interpret=False, block_v=None):
     """The custom_vjp rule for one static configuration (cached so jit sees one function)."""
     kw = dict(chunk_size=chunk_size, interpret=interpret, block_v=block_v)
-    return chunk_math.make_rule(functools.partial(fwd_call, **kw), functools.partial(bwd_call, **kw))
+    return chunk_math.make_rule(
+        functools.partial(fwd_call, **kw),
+        functools.partial(bwd_call, **kw),
+        prologue_call=functools.partial(prologue_call, interpret=interpret),
+    )
 
 
 def chunk_gated_delta_rule_pallas_gpu(
