@@ -11,7 +11,8 @@
    forward+backward, beside the peers measured in the same process on the same inputs (copied bit for bit):
    flash-linear-attention's Triton kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, torch) and this
    package's chunked XLA path (``implementation="xla"``). fla's output is first compared with the reference, so
-   its timings are known to compute the same thing.
+   its timings are known to compute the same thing; its Triton autotuning runs inside the time budget, over at
+   most ``FLA_MAX_CONFIGS`` configurations per kernel (`limit_autotuning`; the report says how many it kept).
    FLOPs of the chunked algorithm per chunk of C = 64 tokens and head (every matmul of its forward):
        A = (β⊙k)·kᵀ 2C²K,  (I + A)⁻¹ C³/3,  w = A⁻¹·(β⊙k⊙eᵍ) 2C²K,  u = A⁻¹·(β⊙v) 2C²V,
        u − w·h 2CKV,  h += kᵀ·(u − w·h) 2CKV,  q·h 2CKV,  q·kᵀ 2C²K,  (q·kᵀ ⊙ M)·(u − w·h) 2C²V
@@ -125,10 +126,47 @@ def load_fla(report: Report, on_gpu: bool):
         if not torch.cuda.is_available():
             raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
         report.info.update(torch=torch.__version__, fla=version("fla-core"))
+        kept, total = limit_autotuning(FLA_MAX_CONFIGS)
+        if total:
+            report.note(
+                f"fla autotuned over at most {FLA_MAX_CONFIGS} configurations per kernel ({kept} of {total} in all, "
+                "evenly spaced in its own lists) so that its tuning fits the time budget; its best configuration "
+                "may be among those left out"
+            )
         return fla_gdn
     except Exception as e:  # not installed (gpu_check.sh --no-install) or unusable: no ratio, say why
         report.note(f"fla skipped: {first_line(e)} (bench/gpu_check.sh installs fla-core with torch)")
         return None
+
+
+FLA_MAX_CONFIGS = 4  # configurations fla's Triton autotuner may try per kernel (compiling each costs seconds)
+
+
+def limit_autotuning(max_configs: int) -> tuple[int, int]:
+    """Cut every Triton autotuner in fla's loaded modules to at most ``max_configs`` of its configurations, evenly
+    spaced in its list → (configurations kept, configurations there were)."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    kept = total = 0
+    seen = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for obj in vars(module).values():
+            for _ in range(4):  # an autotuner may sit under triton.heuristics wrappers (their .fn)
+                if isinstance(obj, Autotuner) or obj is None:
+                    break
+                obj = getattr(obj, "fn", None)
+            if not isinstance(obj, Autotuner) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            n = len(obj.configs)
+            if n > max_configs:
+                obj.configs = [obj.configs[round(i * (n - 1) / (max_configs - 1))] for i in range(max_configs)]
+            kept, total = kept + len(obj.configs), total + n
+    return kept, total
 
 
 def to_torch(x, device="cuda"):

@@ -240,6 +240,35 @@ def test_gpu_check_install_plan_and_usage_errors(tmp_path):
     assert proc.returncode == 64 and "unknown argument '--frobnicate'" in proc.stderr
 
 
+def test_gpu_check_limits_flas_autotuning(monkeypatch):
+    """fla's kernels (here a stand-in module of autotuned Triton kernels, one under triton.heuristics as fla
+    writes them) keep at most 4 configurations each, evenly spaced in their lists; other modules are untouched."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    sys.path.insert(0, str(BENCH))
+    import gpu_check_gated_delta as gd
+
+    def kernel(x, BK: tl.constexpr):
+        pass
+
+    configs = [triton.Config({"BK": bk}, num_warps=w) for bk in (16, 32, 64) for w in (1, 2, 4)]  # 9
+    tuned = triton.autotune(configs=list(configs), key=[])(triton.jit(kernel))
+    wrapped = triton.heuristics({"BK": lambda args: 16})(
+        triton.autotune(configs=list(configs[:5]), key=[])(triton.jit(kernel))
+    )
+    small = triton.autotune(configs=list(configs[:3]), key=[])(triton.jit(kernel))
+    other = triton.autotune(configs=list(configs), key=[])(triton.jit(kernel))
+    monkeypatch.setitem(sys.modules, "fla.ops.stand_in", types.SimpleNamespace(a=tuned, b=wrapped, c=small, d=tuned))
+    monkeypatch.setitem(sys.modules, "not_fla", types.SimpleNamespace(e=other))
+    assert gd.limit_autotuning(4) == (4 + 4 + 3, 9 + 5 + 3)  # the same autotuner twice counts once
+    assert tuned.configs == [configs[i] for i in (0, 3, 5, 8)]
+    assert wrapped.fn.configs == [configs[i] for i in (0, 1, 3, 4)]
+    assert small.configs == configs[:3] and other.configs == configs
+
+
 def test_gpu_check_adds_the_kept_fla_wheel_on_an_offline_machine(tmp_path):
     """A lent GPU box reaches no registry: the fla peer comes from wheels kept by --fetch-wheels (here a stand-in
     wheel, built on the spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
