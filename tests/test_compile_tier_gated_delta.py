@@ -28,8 +28,8 @@ KERNELS = {
     "gated_delta_dstate",
     "gated_delta_grads",
 }
-# On a GPU the WY prologue is a kernel too (on a TPU it stays in XLA).
-GPU_KERNELS = KERNELS | {"gated_delta_prologue"}
+# On a GPU the WY prologue of half-precision runs is a kernel too (fp32 runs and the TPU keep XLA's).
+HALF_PRECISION_GPU_KERNELS = KERNELS | {"gated_delta_prologue"}
 B, T, H = 2, 300, 2  # T = 300: ragged (padded to 320 inside); the grid size does not change what compiles
 
 
@@ -77,7 +77,7 @@ def test_gpu_kernels_compile_for_h200_within_shared_memory(dim, dtype, segmented
     table = cross_compile.format_stats_table([(config, s) for s in stats])
     print("\n" + table)
     record_property("compile_table", table)
-    assert {s.name for s in stats} == GPU_KERNELS, table
+    assert {s.name for s in stats} == (KERNELS if dtype == jnp.float32 else HALF_PRECISION_GPU_KERNELS), table
     cfg = pallas_gpu.gpu_config(dim, dim)
     for s in stats:
         assert s.shared_bytes <= cross_compile.H200_SHARED_MEMORY_BYTES, f"{s.name} over the H200 limit:\n{table}"

@@ -234,13 +234,15 @@ def test_prologue_kernel_matches_the_xla_prologue(chunk, K, V, packed):
 
 
 def test_pallas_gpu_rule_runs_the_prologue_kernel_forward_and_backward():
-    """The kernel replaces the XLA prologue for the forward's operands and for the backward's recomputed ones (the
-    prologue's VJP stays XLA's): two prologue kernels in the gradient's program."""
+    """With bf16 inputs the kernel replaces the XLA prologue for the forward's operands and for the backward's
+    recomputed ones (the prologue's VJP stays XLA's): two prologue kernels in the gradient's program. fp32 inputs
+    keep the exact XLA prologue (no prologue kernel)."""
     args = make_inputs(1, 40, 1, 16, 16, seed=24)
+    half = tuple(x.astype(jnp.bfloat16) for x in args[:5]) + (args[5],)
     grad = jax.grad(weighted_loss(runner("pallas_gpu", chunk_size=16)), argnums=range(6))
-    assert _pallas_operand_counts(grad, *args).get("gated_delta_prologue") == 4  # k, v, g, beta
-    jaxpr = str(jax.make_jaxpr(grad)(*args))
-    assert jaxpr.count("name=gated_delta_prologue") == 2
+    assert _pallas_operand_counts(grad, *half).get("gated_delta_prologue") == 4  # k, v, g, beta
+    assert str(jax.make_jaxpr(grad)(*half)).count("name=gated_delta_prologue") == 2
+    assert "gated_delta_prologue" not in _pallas_operand_counts(grad, *args)
 
 
 # Lengths from a few buckets (one token, under / exactly / over one chunk, several chunks with a ragged tail), so

@@ -99,10 +99,10 @@ def test_claims_spec_is_stable_data():
 def test_exploratory_estimates_by_hand():
     # head 7:1 − probe-placed layer-wise: d = (+0.05, −0.05) → estimate 0; resample means −0.05 (1/4), 0 (1/2),
     # +0.05 (1/4), so the 95 % percentile interval is [−0.05, 0.05]. One paired seed: no estimate.
-    summaries = _summaries({"head_7to1": [(0.90, 0.2), (0.80, 0.3)], "layer_3to1_probe": [(0.85, 0.2), (0.85, 0.3)]})
+    summaries = _summaries({"head_7to1": [(0.90, 0.2), (0.80, 0.3)], "layer_7to1_probe": [(0.85, 0.2), (0.85, 0.3)]})
     rows = {(r["arms"][1], r["metric"]): r for r in claims.exploratory(summaries)}
-    mqar = rows[("layer_3to1_probe", "mqar64")]
+    mqar = rows[("layer_7to1_probe", "mqar64")]
     assert mqar["n_seeds"] == 2 and mqar["estimate"] == pytest.approx(0.0, abs=1e-12)
     assert (mqar["ci_low"], mqar["ci_high"]) == pytest.approx((-0.05, 0.05))
-    assert rows[("layer_3to1_probe", "kl")]["estimate"] == pytest.approx(0.0, abs=1e-12)
-    assert "estimate" not in rows[("layer_3to1", "mqar64")] and rows[("layer_3to1", "mqar64")]["n_seeds"] == 0
+    assert rows[("layer_7to1_probe", "kl")]["estimate"] == pytest.approx(0.0, abs=1e-12)
+    assert "estimate" not in rows[("layer_7to1", "mqar64")] and rows[("layer_7to1", "mqar64")]["n_seeds"] == 0

@@ -73,13 +73,14 @@ ARMS = {
     "random_7to1": {"selection.method": "random", "selection.ratio": "7:1", "selection.allocation": "global"},
     "all_la": {"selection.method": "all_la"},
     "head_7to1_nofusion": {**HEAD, "selection.ratio": "7:1", "hybrid.fusion": "none"},
-    # Layer-wise 3:1 at the layers the probe scores highest (not a claim's arm): it separates the granularity of
-    # head-level selection from the placement the probe gives it, since the periodic layer-wise arms keep the
-    # last layers whatever the teacher's retrieval heads are.
-    "layer_3to1_probe": {
+    # Layer-wise 7:1 at the layer the probe scores highest (not a claim's arm): beside head-level 7:1 it separates
+    # the granularity of head-level selection from the placement the probe gives it, since the periodic layer-wise
+    # arms keep the last layers whatever the teacher's retrieval heads are. (At 3:1 the study's teacher needs no such
+    # arm: its top 8 groups are layers 0 and 4 whole, so head-level 3:1 is the probe-placed layer-wise 3:1.)
+    "layer_7to1_probe": {
         "selection.method": "combined",
         "selection.allocation": "whole_layers",
-        "selection.ratio": "3:1",
+        "selection.ratio": "7:1",
     },
 }
 CONVERGENCE = "convergence"

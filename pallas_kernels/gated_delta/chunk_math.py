@@ -13,7 +13,7 @@ Every backend runs the same parts:
    batched matmuls (the solve-free products Π(I + A^{2^m}) lose all precision when keys are correlated: powers of
    a strictly lower matrix of ones grow like binomial coefficients, ~1e18 at C = 64) and has its own VJP (two
    matmuls), so the backward never differentiates through the inversion steps. On a GPU a kernel computes the
-   same quantities by blocked forward substitution (pallas_gpu's `_prologue_kernel`, given to `make_rule` as
+   same quantities for half-precision runs by blocked forward substitution (pallas_gpu's `_prologue_kernel`, given to `make_rule` as
    ``prologue_call``); its VJP is this one's.
 
 2. The chunk functions (section 2), each one chunk of C tokens; D_ij = e^{G_i − G_j} for i ≥ j else 0:
@@ -474,9 +474,9 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
     (what a sequential pass alone can give); everything else, the prologue included, is recomputed. Segment ids
     get no cotangent.
 
-    ``prologue_call(cfg, q, k, v, g, beta, doc)`` (a backend's prologue kernel; ``doc`` the document column
-    [B,H,Tp,1] or None): the operands of ``_prepare`` computed by the backend, used for the forward's operands and
-    for the backward's recomputed ones; the prologue's VJP stays `_prepare`'s (XLA). None: `_prepare` computes them.
+    ``prologue_call(cfg, q, k, v, g, beta, doc)`` (a backend's prologue; ``doc`` as `_prepare` takes it): the
+    operands of `_prepare` as the backend computes them, used for the forward's operands and for the backward's
+    recomputed ones; the prologue's VJP stays `_prepare`'s (XLA). None: `_prepare` computes them.
 
     ``block_chunks`` None: the backward recomputes the prologue for the whole sequence and makes one ``bwd_call``.
     An int: the forward walks the sequence in blocks of that many chunks, carrying S, and saves only each block's
@@ -530,9 +530,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
         return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V], None)
 
     def operands_of(cfg, q, k, v, g, beta, doc):
-        if prologue_call is None:
-            return _prepare(cfg, q, k, v, g, beta, doc)
-        return prologue_call(cfg, q, k, v, g, beta, None if doc is None else _doc_operand(doc, q.shape[2]))
+        return (prologue_call or _prepare)(cfg, q, k, v, g, beta, doc)
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule

@@ -1,9 +1,10 @@
 """Pallas GPU (Triton lowering) gated delta rule: the WY prologue, a sequential state kernel and chunk-parallel
 kernels.
 
-Prologue (1 kernel, forward and again in the backward's recomputation): ``gated_delta_prologue``, grid (B, H, N):
-                          W, U and the cumulative decay G of each chunk by blocked forward substitution
-                          (`_prologue_kernel`); the prologue's VJP stays chunk_math's (XLA).
+Prologue (1 kernel for half-precision inputs, forward and again in the backward's recomputation):
+  ``gated_delta_prologue``, grid (B, H, N): W, U and the cumulative decay G of each chunk by blocked forward
+                          substitution (`_prologue_kernel`); fp32 inputs keep chunk_math's exact XLA prologue, and
+                          the prologue's VJP stays chunk_math's (XLA) for both.
 Forward (2 kernels):
   ``gated_delta_state``   grid (B, H, V/BV): one program per value tile loops over the chunks with `fori_loop`,
                           carrying only its K×BV slice of the state in fp32 registers and storing each chunk-start
@@ -113,7 +114,7 @@ def _dstate_kernel(
 # ------------------------------------------------------------------------------------ the WY prologue as a kernel
 
 PROLOGUE_BLOCK = 16  # rows per block of the prologue's blocked forward substitution (Triton's smallest dot side)
-PROLOGUE_COLUMNS = 32  # key / value columns per product in the prologue (see _prologue_kernel)
+PROLOGUE_COLUMNS = 32  # key / value columns per product in the prologue: smaller live operands, fewer spills
 
 
 def _unit_lower_inverse_block(a, row, col):
@@ -142,9 +143,10 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
 
         T_ij = −T_ii Σ_{m=j}^{i−1} A_im T_mj    (i > j)
 
-    and W_i = Σ_{j≤i} T_ij R_j, U_i likewise, on the tensor cores. A's blocks are formed from k's row blocks as they
-    are needed, so neither A, T nor the fp32 W/U pass through HBM before the kernel writes W (operand dtype), U and
-    G (fp32). fp32 products, not bf16: ν = U − W S is a small difference of larger terms (`chunk_math.hi_lo`).
+    and W_i = Σ_{j≤i} T_ij R_j, U_i likewise, on the tensor cores, over column slices of PROLOGUE_COLUMNS. A's
+    blocks are formed from k's row blocks as they are needed, so neither A, T nor the fp32 W/U pass through HBM
+    before the kernel writes W (operand dtype), U and G (fp32). fp32 operands, not bf16: ν = U − W S is a small
+    difference of larger terms (`chunk_math.hi_lo`), and U is used unrounded.
     With a document column (``refs`` then starts with it), G is the segment-local sum, A couples tokens of one
     document only and W's right-hand side keeps the rows that read the carried state (doc = 0), as in
     ``chunk_math.chunk_prep``."""
@@ -171,8 +173,6 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
         gcum_ref[rows[i], :] = gcum[i]
 
     kp, vp = k_ref.shape[-1], v_ref.shape[-1]
-    # Column slices of at most PROLOGUE_COLUMNS: the fp32 operands of one product stay small enough to live in
-    # registers under TF32×3, which splits each operand in two.
     k_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, kp)) for c in range(0, kp, PROLOGUE_COLUMNS)]
     v_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, vp)) for c in range(0, vp, PROLOGUE_COLUMNS)]
 
@@ -206,15 +206,23 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
             u_ref[rows[i], c] = u
 
 
+def prologue(cfg, q, k, v, g, beta, doc, *, interpret=False):
+    """`chunk_math.make_rule`'s ``prologue_call``: half-precision runs take `prologue_call` (the kernel), fp32 runs
+    chunk_math's XLA prologue, which is exact fp32. The kernel's products are one TF32 pass (W is rounded to the
+    operand dtype anyway: TF32's 10-bit mantissa is finer than bf16's 7); the ~fp32 an fp32 run needs would take
+    TF32×3, which splits every operand in two, spills registers and multiplies the kernel's Triton compile time
+    (bench/RESULTS.md, the gated delta compile table). ``doc``: `chunk_documents`' [B,N,C] or None."""
+    if cfg.operand_dtype == jnp.float32:
+        return chunk_math._prepare(cfg, q, k, v, g, beta, doc)
+    doc_column = None if doc is None else chunk_math._doc_operand(doc, q.shape[2])
+    return prologue_call(cfg, q, k, v, g, beta, doc_column, interpret=interpret)
+
+
 def prologue_call(cfg, q, k, v, g, beta, doc, *, interpret=False):
-    """`chunk_math.make_rule`'s ``prologue_call``: the operands of ``chunk_math._prepare`` (q, k, W [B,H,Tp,Kp],
-    U [B,H,Tp,Vp], G [B,H,Tp,1]) with W, U and G from `_prologue_kernel`, one program per (batch, head, chunk);
-    ``doc`` the document column [B,H,Tp,1] or None. q, k (L2 norm, scale) and the layout come from
-    ``chunk_math.chunk_inputs``. Products: exact fp32 in interpret mode; on a GPU TF32×3 (about fp32) for fp32
-    operands and one TF32 pass for half-precision ones, whose W is rounded to the operand dtype anyway (TF32's
-    10-bit mantissa is finer than bf16's 7) and whose U is used against bf16 products downstream. TF32×3 splits
-    every operand in two and spills registers (bench/RESULTS.md, the gated delta compile table): the price of
-    fp32 runs, which are not the training dtype."""
+    """The operands of ``chunk_math._prepare`` (q, k, W [B,H,Tp,Kp], U [B,H,Tp,Vp], G [B,H,Tp,1]) with W, U and G
+    from `_prologue_kernel`, one program per (batch, head, chunk); ``doc`` the document column [B,H,Tp,1] or None.
+    q, k (L2 norm, scale) and the layout come from ``chunk_math.chunk_inputs``. Products: one TF32 pass on a GPU
+    (see `prologue`), exact fp32 in interpret mode."""
     C = cfg.chunk_size
     if C % PROLOGUE_BLOCK:
         raise ValueError(f"the prologue kernel needs a chunk size that is a multiple of {PROLOGUE_BLOCK}, got {C}")
@@ -231,10 +239,7 @@ def prologue_call(cfg, q, k, v, g, beta, doc, *, interpret=False):
 
     q, k, v = flat(q, K, Kp), flat(k, K, Kp), flat(v, V, Vp)
     g, beta = g.reshape(B, H, Tp, 1), beta.reshape(B, H, Tp, 1)
-    if interpret:
-        prec = jax.lax.Precision.HIGHEST
-    else:
-        prec = FP32_DOTS if cfg.operand_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    prec = jax.lax.Precision.HIGHEST if interpret else jax.lax.Precision.DEFAULT
     chunk = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))  # noqa: E731
     operands = [k, v, g, beta] + ([] if doc is None else [doc])
     w, u, gcum = pl.pallas_call(
@@ -352,7 +357,7 @@ def rule(chunk_size=64, interpret=False, block_v=None):
     return chunk_math.make_rule(
         functools.partial(fwd_call, **kw),
         functools.partial(bwd_call, **kw),
-        prologue_call=functools.partial(prologue_call, interpret=interpret),
+        prologue_call=functools.partial(prologue, interpret=interpret),
     )
 
 
