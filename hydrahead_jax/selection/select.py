@@ -275,7 +275,7 @@ def selection_budget(ratio: str | float, allocation: str, num_layers: int, num_g
     else:
         target = fa_count(ratio, "global", num_layers, num_groups)
         rule = (
-            f"{k // num_groups} whole layers of {num_groups} KV groups with the highest mean score "
+            f"{k // num_groups} whole layer(s) of {num_groups} KV groups with the highest mean score "
             f"({target} / {num_groups} = {target / num_groups:.4g} layers, nearest; a tie takes the fewer)"
         )
     return {
