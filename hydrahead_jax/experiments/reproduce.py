@@ -858,6 +858,9 @@ def arm_table(results: dict) -> dict[str, dict[str, Any]]:
             "kv_bytes_per_token": rs[0]["kv_bytes_per_token"],
             "fa_placement": fa_placement([r.get("fa_groups") for r in rs]),
         }
+        if len(rs) == 1:  # one seed has no spread: shown as "—", not as a standard deviation of 0
+            for key in ("mqar", "kl", "niah"):
+                table[arm][key] = (table[arm][key][0], None)
     return table
 
 
