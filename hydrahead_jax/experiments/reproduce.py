@@ -886,11 +886,15 @@ def render(results: dict, plots: list[str]) -> str:
             f"{x['metric']}: {_fmt(x.get('estimate'), 4)} [{_fmt(x.get('ci_low'), 4)}, {_fmt(x.get('ci_high'), 4)}]"
             for x in c["components"]
         )
-        lines.append(f"| {c['id']} | {c['decision']} | {comps} | {c['n_seeds']} | {c['statement']} |")
+        study = results["study"]
+        planned = min(study["seeds"] if arm in PRIMARY else study["other_seeds"] for arm in c["arms"])
+        decision = c["decision"] + (" (provisional)" if c["n_seeds"] < planned and c["decision"] != "undecided" else "")
+        lines.append(f"| {c['id']} | {decision} | {comps} | {c['n_seeds']} of {planned} | {c['statement']} |")
     lines += [
         "",
         "Estimates are arm A − arm B (recall as a fraction, KL in nats/token); intervals are paired "
-        "bootstrap percentile intervals; decisions use Holm-adjusted one-sided bootstrap p-values.",
+        "bootstrap percentile intervals; decisions use Holm-adjusted one-sided bootstrap p-values. Seeds: paired "
+        "seeds finished of those planned; a decision on fewer is provisional.",
         "",
     ]
     lines += [
