@@ -26,8 +26,8 @@ What cuDNN does not cover (:func:`cudnn_unsupported` names it; ``auto`` then tak
 Private API (this module is its one user; tried with jax 0.11.2 and 0.12.0.1): the runtime probes of
 ``jax._src.cudnn.fused_attention_stablehlo``, ``check_cudnn_version``, ``check_compute_capability`` and
 ``is_cuda_compute_capability_equal``, which ask the local GPU. :func:`assume_cuda_runtime` answers them while a
-program is traced for a GPU this machine does not have (``pallas_kernels.cross_compile``, the CPU tests); on a
-GPU they answer for themselves.
+program is traced for a GPU this machine does not have (with ``dispatch.tracing_for("gpu")``, as the CPU tests
+do); on a GPU they answer for themselves.
 """
 
 from __future__ import annotations

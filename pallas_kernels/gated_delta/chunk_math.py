@@ -419,25 +419,29 @@ class RuleConfig(NamedTuple):
     prec: jax.lax.Precision
 
 
+def flat_padded(x, dp):
+    """[B,H,N,C,d] → [B,H,N·C,dp], the feature axis zero padded to dp (zero columns of q, k, W, U contribute
+    nothing); a [B,H,N,C] array → [B,H,N·C,1]."""
+    B, H = x.shape[:2]
+    if x.ndim == 4:
+        return x.reshape(B, H, -1, 1)
+    d = x.shape[-1]
+    x = x.reshape(B, H, -1, d)
+    return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
+
+
 def _prepare(cfg: RuleConfig, q, k, v, g, beta, doc=None):
     """Prologue → the backend's operands, fp32: q, k, W [B,H,Tp,Kp], U [B,H,Tp,Vp], G [B,H,Tp,1]."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
     p = chunk_prep(
         q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=cfg.chunk_size, doc=doc
     )
-
-    def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]; zero columns of q, k, W, U contribute nothing
-        x = x.reshape(B, H, -1, d)
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
-
     Kp, Vp = cfg.key_dim_padded, cfg.value_dim_padded
     return (
-        flat(p["q"], K, Kp),
-        flat(p["k"], K, Kp),
-        flat(p["w"], K, Kp),
-        flat(p["u"], V, Vp),
-        p["gcum"].reshape(B, H, -1, 1),
+        flat_padded(p["q"], Kp),
+        flat_padded(p["k"], Kp),
+        flat_padded(p["w"], Kp),
+        flat_padded(p["u"], Vp),
+        flat_padded(p["gcum"], 1),
     )
 
 
@@ -487,6 +491,8 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
     scales with the block instead of with T.
     """
 
+    prepare_operands = prologue_call or _prepare
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def rule(cfg, q, k, v, g, beta, s0, segment_ids):
         return rule_fwd(cfg, q, k, v, g, beta, s0, segment_ids)[0]
@@ -498,7 +504,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
         if block_chunks is not None:
             o, s_final, starts = _blocked_forward(fwd_call, block_chunks, cfg, (q, k, v, g, beta), s0, doc)
             return (o, s_final[:, :, :K, :V]), (q, k, v, g, beta, segment_ids, starts)
-        ops = _operands(cfg, operands_of(cfg, q, k, v, g, beta, doc))
+        ops = _operands(cfg, prepare_operands(cfg, q, k, v, g, beta, doc))
         doc_op = None if doc is None else _doc_operand(doc, H)
         o, s_final, states = fwd_call(*ops, doc_op, _pad_state(cfg, s0), prec=cfg.prec)
         o = jnp.moveaxis(o[:, :, :T, :V], 1, 2).astype(q.dtype)
@@ -513,7 +519,7 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
         V = v.shape[-1]
         doc = _documents(cfg, segment_ids)
         prepare = functools.partial(_prepare, cfg, doc=doc)
-        prepared = operands_of(cfg, q, k, v, g, beta, doc)
+        prepared = prepare_operands(cfg, q, k, v, g, beta, doc)
         grads = bwd_call(
             *_operands(cfg, prepared),
             None if doc is None else _doc_operand(doc, H),
@@ -528,9 +534,6 @@ def make_rule(fwd_call, bwd_call, *, block_chunks=None, prologue_call=None):
         (q, k, v, g, beta), grads = jax.lax.optimization_barrier(((q, k, v, g, beta), grads))
         _, prep_vjp = jax.vjp(prepare, q, k, v, g, beta)
         return (*prep_vjp(grads[:5]), grads[5][:, :, :K, :V], None)
-
-    def operands_of(cfg, q, k, v, g, beta, doc):
-        return (prologue_call or _prepare)(cfg, q, k, v, g, beta, doc)
 
     rule.defvjp(rule_fwd, rule_bwd)
     return rule

@@ -229,16 +229,9 @@ def prologue_call(cfg, q, k, v, g, beta, doc, *, interpret=False):
     q, k, v, g, beta = chunk_math.chunk_inputs(
         q, k, v, g, beta, scale=cfg.scale, use_qk_l2norm=cfg.use_qk_l2norm, chunk_size=C
     )
-    B, H, N, _, K = q.shape
-    V = v.shape[-1]
+    B, H, N = q.shape[:3]
     Kp, Vp, Tp = cfg.key_dim_padded, cfg.value_dim_padded, N * C
-
-    def flat(x, d, dp):  # [B,H,N,C,d] -> [B,H,Tp,dp]
-        x = x.reshape(B, H, Tp, d)
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) if dp != d else x
-
-    q, k, v = flat(q, K, Kp), flat(k, K, Kp), flat(v, V, Vp)
-    g, beta = g.reshape(B, H, Tp, 1), beta.reshape(B, H, Tp, 1)
+    q, k, v, g, beta = (chunk_math.flat_padded(x, dp) for x, dp in zip((q, k, v, g, beta), (Kp, Kp, Vp, 1, 1)))
     prec = jax.lax.Precision.HIGHEST if interpret else jax.lax.Precision.DEFAULT
     chunk = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))  # noqa: E731
     operands = [k, v, g, beta] + ([] if doc is None else [doc])
