@@ -45,3 +45,24 @@ def test_fa_placement_by_hand():
     assert reproduce.fa_placement([[[0], []], [[], [1]]]) == "per seed"
     assert reproduce.fa_placement([None, [[], []]]) == "none"
     assert reproduce.fa_placement([None]) == "—"
+
+
+def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
+    import json
+
+    study = reproduce.quick_study()
+    theirs = {"runs": [], "study_digest": study.digest(), "claims_hash": claims.spec_hash(), "teacher": {"digest": "a"}}
+    good, other_study, other_teacher = tmp_path / "good.json", tmp_path / "study.json", tmp_path / "teacher.json"
+    good.write_text(json.dumps(theirs))
+    other_study.write_text(json.dumps(theirs | {"study_digest": "another"}))
+    other_teacher.write_text(json.dumps(theirs))
+    assert reproduce.merged_records(study, None, [good]) == {}  # a workdir without a teacher checks the rest
+    with pytest.raises(ConfigError, match="another study recipe or another teacher"):
+        reproduce.merged_records(study, "b", [other_teacher])
+    workdir = tmp_path / "study"
+    with pytest.raises(ConfigError, match="another study recipe"):
+        reproduce.run_study(study, workdir, only=["head_7to1"], merge=[other_study])
+    assert not workdir.exists()  # refused before the workdir, the data or the teacher
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a reproduction's results.json"):
+        reproduce.merged_records(study, None, [tmp_path / "bad.json"])

@@ -1,5 +1,6 @@
 """`reproduce --quick` end to end as a user runs it (every part of the study at tiny sizes), killed mid-arm and
-resumed: the rerun skips the finished parts, resumes the killed one and reports every run and claim."""
+resumed: the rerun skips the finished parts, resumes the killed one and reports every run and claim; a second
+machine's workdir goes on from the first one's results.json without running its runs again."""
 
 import json
 import os
@@ -8,8 +9,8 @@ import subprocess
 import sys
 
 
-def _command(workdir):
-    return [sys.executable, "-m", "hydrahead_jax.experiments.reproduce", f"--workdir={workdir}", "--quick"]
+def _command(workdir, *flags):
+    return [sys.executable, "-m", "hydrahead_jax.experiments.reproduce", f"--workdir={workdir}", "--quick", *flags]
 
 
 def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
@@ -41,3 +42,21 @@ def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
     assert results["claims"][0]["n_seeds"] == 2 and not results["unfinished"]
     assert len(results["runs"]) == 6 and results["teacher"]["accepted"] is False
     assert (workdir / "results" / "report.md").exists() and (workdir / "results" / "recall_by_length.png").exists()
+
+    # another machine: a new workdir trains the same teacher (deterministic from its seed), and the runs the merged
+    # results.json records are reported, not run again
+    elsewhere = tmp_path / "elsewhere"
+    merged = workdir / "results" / "results.json"
+    third = subprocess.run(
+        _command(elsewhere, "--only=head_7to1,layer_3to1", f"--merge={merged}"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    out = third.stdout + third.stderr
+    assert third.returncode == 0, out[-3000:]
+    assert "run(s) of these parts finished in a --merge file: skipped" in out and ": stage align" not in out
+    again = json.loads((elsewhere / "results" / "results.json").read_text())
+    assert len(again["runs"]) == 6 and all(r["merged_from"] == str(merged) for r in again["runs"])
+    assert again["claims"] == results["claims"]

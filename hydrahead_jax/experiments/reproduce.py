@@ -2,6 +2,8 @@
 
     python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction          # the whole study
     python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction --only teacher,head_7to1
+    python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction --only head_3to1 \
+        --merge bench/results/reproduction/results.json  # go on from the committed runs on a new machine
     python -m hydrahead_jax.experiments.reproduce --workdir runs/reproduction --report_only --merge other/results.json
     python -m hydrahead_jax.experiments.reproduce --workdir /tmp/repro --quick          # tiny sizes, every part
 
@@ -24,9 +26,10 @@ The study, in order (each part skipped when it finished earlier; a killed part r
    run and a changed claim set is refused) and the report: results.json, report.md, recall_by_length.png.
 
 Splitting: ``--only`` names parts (``teacher``, arm names, ``convergence``); each session runs its parts in its
-workdir (the same one, or its own: the teacher is deterministic from its seed), and ``--report_only --merge``
-reports the runs of several workdirs together (a merged file must come from the same recipe and the same
-teacher weights).
+workdir (the same one, or its own: the teacher is deterministic from its seed). ``--merge`` names results.json
+files of other workdirs (a merged file must come from the same recipe and the same teacher weights): their runs
+are reported together with this workdir's, and a run recorded there is not run again (so a new machine goes on
+from the committed results); ``--report_only --merge`` only reports.
 """
 
 from __future__ import annotations
@@ -621,21 +624,31 @@ def _claim_workdir(study: Study, workdir: Path) -> None:
     _write_json(claims_file, spec)
 
 
-def run_study(study: Study, workdir: str | Path, *, only: list[str] = (), out: Path | None = None) -> dict:
-    """Run the chosen parts (all by default) in ``workdir`` and report every finished run (module doc)."""
+def run_study(
+    study: Study,
+    workdir: str | Path,
+    *,
+    only: list[str] = (),
+    merge: list[str | Path] = (),
+    out: Path | None = None,
+) -> dict:
+    """Run the chosen parts (all by default) in ``workdir`` and report every finished run (module doc). Runs
+    recorded in a ``merge`` file (a results.json of this study, e.g. the committed one) finished elsewhere: they
+    are skipped here and reported with this workdir's."""
     from hydrahead_jax.training.checkpoint import WorkdirLock
 
     check_study(study)
     parts = parts_of(list(only))
+    merged_records(study, None, merge)  # a wrong file is refused before any work
     workdir = Path(workdir).absolute()
     _claim_workdir(study, workdir)
     lock = WorkdirLock(workdir)
     lock.acquire()
     try:
-        _run_locked(study, workdir, parts)
+        _run_locked(study, workdir, parts, merge)
     finally:
         lock.release()
-    return report(study, workdir, out=out)
+    return report(study, workdir, merge=merge, out=out)
 
 
 def _teacher_and_data(study: Study, workdir: Path):
@@ -647,9 +660,12 @@ def _teacher_and_data(study: Study, workdir: Path):
     return paths, folder, teacher, tokenizer
 
 
-def _run_locked(study: Study, workdir: Path, parts: list[str]) -> None:
+def _run_locked(study: Study, workdir: Path, parts: list[str], merge: list[str | Path]) -> None:
     paths, folder, teacher, tokenizer = _teacher_and_data(study, workdir)
-    specs = run_specs(study, parts)
+    done_elsewhere = merged_records(study, teacher_digest(folder), merge)
+    specs = [s for s in run_specs(study, parts) if (s.arm, s.seed, s.scale) not in done_elsewhere]
+    if len(specs) < len(run_specs(study, parts)):
+        log(f"{len(run_specs(study, parts)) - len(specs)} run(s) of these parts finished in a --merge file: skipped")
     all_arms = [a for a in ARMS]
     probe_config = comparison_config(study, paths, folder, 0, 1.0, all_arms)
     head_maps = probe_once(load_variants(probe_config), workdir, comparison_base(probe_config))
@@ -743,6 +759,29 @@ def local_records(study: Study, workdir: Path) -> list[dict]:
     return records
 
 
+def merged_records(study: Study, digest: str | None, merge: list[str | Path]) -> dict[tuple, dict]:
+    """The runs recorded in other workdirs' results.json files, by (arm, seed, scale); each file must come from
+    this study's recipe, claims and teacher weights (``digest``; None checks all but the teacher, for a workdir
+    whose teacher is not trained yet), else it is refused naming the difference."""
+    records = {}
+    for path in merge:
+        theirs = _read_json(Path(path))
+        if not isinstance(theirs, dict) or "runs" not in theirs:
+            raise ConfigError(f"--merge {path}: not a reproduction's results.json.")
+        their_teacher = theirs.get("teacher", {}).get("digest")
+        if theirs.get("study_digest") != study.digest() or (digest is not None and their_teacher != digest):
+            raise ConfigError(
+                f"--merge {path}: it ran another study recipe or another teacher (its study/teacher digests differ "
+                "from this workdir's); only runs of the same study on the same teacher are reported together."
+            )
+        if theirs.get("claims_hash") != claims_mod.spec_hash():
+            raise ConfigError(f"--merge {path}: its claims differ from claims.py's; it belongs to another study.")
+        for r in theirs["runs"]:
+            key = (r["run"]["arm"], r["run"]["seed"], r["run"]["scale"])
+            records.setdefault(key, {**r, "merged_from": str(Path(path).absolute())})
+    return records
+
+
 def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), out: Path | None = None) -> dict:
     """results.json, report.md and recall_by_length.png from the finished runs of ``workdir`` and ``merge``."""
     workdir = Path(workdir).absolute()
@@ -753,20 +792,8 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
         raise ConfigError(f"{workdir} holds no finished teacher yet; run the study (its teacher part) first.")
     digest = teacher_digest(workdir / "teacher" / "hf")
     records = {(r["run"]["arm"], r["run"]["seed"], r["run"]["scale"]): r for r in local_records(study, workdir)}
-    for path in merge:
-        theirs = _read_json(Path(path))
-        if not isinstance(theirs, dict) or "runs" not in theirs:
-            raise ConfigError(f"--merge {path}: not a reproduction's results.json.")
-        if theirs.get("study_digest") != study.digest() or theirs.get("teacher", {}).get("digest") != digest:
-            raise ConfigError(
-                f"--merge {path}: it ran another study recipe or another teacher (its study/teacher digests differ "
-                "from this workdir's); only runs of the same study on the same teacher are reported together."
-            )
-        if theirs.get("claims_hash") != claims_mod.spec_hash():
-            raise ConfigError(f"--merge {path}: its claims differ from claims.py's; it belongs to another study.")
-        for r in theirs["runs"]:
-            key = (r["run"]["arm"], r["run"]["seed"], r["run"]["scale"])
-            records.setdefault(key, {**r, "merged_from": str(Path(path).absolute())})
+    for key, r in merged_records(study, digest, merge).items():
+        records.setdefault(key, r)
     pairs = headline_pairs(study)
     base = {}
     for (arm, seed, scale), r in records.items():
@@ -1026,7 +1053,12 @@ def main(argv=None) -> int:
     quick = flags.DEFINE_bool("quick", False, "Tiny sizes, every part of the study (the test suite's run).")
     only = flags.DEFINE_list("only", [], f"Run only these parts: {TEACHER}, an arm ({', '.join(ARMS)}), {CONVERGENCE}.")
     report_only = flags.DEFINE_bool("report_only", False, "Write the report from the finished runs; train nothing.")
-    merge = flags.DEFINE_list("merge", [], "With --report_only: results.json files of other workdirs of this study.")
+    merge = flags.DEFINE_list(
+        "merge",
+        [],
+        "results.json files of other workdirs of this study: their runs are reported with this workdir's, and "
+        "not run again here.",
+    )
     out = flags.DEFINE_string(
         "out",
         None,
@@ -1052,14 +1084,12 @@ def main(argv=None) -> int:
         study = quick_study() if quick.value else Study()
         target = Path(out.value) if out.value else (None if quick.value else Path("bench/results/reproduction"))
         try:
-            if merge.value and not report_only.value:
-                raise ConfigError("--merge reports finished results; use it with --report_only.")
             if measure.value:
                 measure_teacher(study, Path(workdir.value).absolute(), measure.value)
             elif report_only.value:
                 report(study, workdir.value, merge=merge.value, out=target)
             else:
-                run_study(study, workdir.value, only=only.value, out=target)
+                run_study(study, workdir.value, only=only.value, merge=merge.value, out=target)
         except USER_ERRORS as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
