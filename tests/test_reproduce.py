@@ -66,3 +66,21 @@ def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a reproduction's results.json"):
         reproduce.merged_records(study, None, [tmp_path / "bad.json"])
+
+
+def test_machine_time_by_hand():
+    def run(scale, stages, evaluation):
+        return {"run": {"scale": scale}, "stage_seconds": stages, "eval_seconds": evaluation}
+
+    results = {
+        "runs": [run(1.0, {"align": 100, "distil": 200}, 60), run(1.0, {"align": 300}, 0), run(2.0, {"long": 900}, 0)],
+        "teacher": {"training": {"wall_seconds_total": 1800}},
+    }
+    # finished: 360 + 300 + 900 s; base median 330 s, x2 median 900 s, x4 none yet: 4 x 330
+    mt = reproduce.machine_time(results, [1.0, 2.0, 4.0])
+    assert mt == {
+        "teacher_seconds": 1800.0,
+        "runs_seconds": 1560.0,
+        "total_hours": round(3360 / 3600, 2),
+        "unfinished_estimate_hours": round((330 + 900 + 1320) / 3600, 2),
+    }

@@ -800,6 +800,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
         if scale == 1.0:
             base.setdefault(arm, {})[seed] = summary(r, pairs)
     decided = claims_mod.decide(base)
+    unfinished = [s for s in run_specs(study, parts_of([])) if (s.arm, s.seed, s.scale) not in records]
     results = {
         "claims": [
             {k: c[k] for k in ("id", "statement", "decision", "estimate", "ci_low", "ci_high", "n_seeds")} | c
@@ -819,8 +820,9 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
         "study_digest": study.digest(),
         "study": study.to_dict(),
         "runs": sorted(records.values(), key=lambda r: (r["run"]["scale"], r["run"]["seed"], r["run"]["arm"])),
-        "unfinished": [s.name for s in run_specs(study, parts_of([])) if (s.arm, s.seed, s.scale) not in records],
+        "unfinished": [s.name for s in unfinished],
     }
+    results["machine_time"] = machine_time(results, [s.scale for s in unfinished])
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "results.json", results)
     plots = [plot_recall(results, out)]
@@ -902,6 +904,33 @@ def fa_placement(fa_groups_per_seed: list) -> str:
     return shown.pop() if len(shown) == 1 else ("per seed" if shown else "—")
 
 
+def run_seconds(record: dict) -> float:
+    """A finished run's wall time: its stages (select, align, distil, long) and its evaluation."""
+    return sum(record.get("stage_seconds", {}).values()) + record.get("eval_seconds", 0.0)
+
+
+def machine_time(results: dict, unfinished_scales: list[float]) -> dict[str, float]:
+    """The study's wall time so far on the machines that ran it (the teacher's training and every finished run),
+    and the unfinished runs' estimate (``unfinished_scales``: one budget scale per unfinished run): each the median
+    finished run of its scale (a scale with no finished run: the base budget's median times the scale)."""
+    spent = [run_seconds(r) for r in results["runs"]]
+    by_scale: dict[float, list[float]] = {}
+    for r, seconds in zip(results["runs"], spent):
+        by_scale.setdefault(r["run"]["scale"], []).append(seconds)
+    base = float(np.median(by_scale[1.0])) if by_scale.get(1.0) else None
+    left = sum(
+        float(np.median(by_scale[scale])) if by_scale.get(scale) else (base or 0.0) * scale
+        for scale in unfinished_scales
+    )
+    teacher = float((results["teacher"].get("training") or {}).get("wall_seconds_total") or 0.0)
+    return {
+        "teacher_seconds": round(teacher, 1),
+        "runs_seconds": round(sum(spent), 1),
+        "total_hours": round((teacher + sum(spent)) / 3600, 2),
+        "unfinished_estimate_hours": round(left / 3600, 2),
+    }
+
+
 def render(results: dict, plots: list[str]) -> str:
     t = results["teacher"]
     acc = t["acceptance"]
@@ -965,6 +994,16 @@ def render(results: dict, plots: list[str]) -> str:
         lines.append(
             f"- {metric}: differences {m['differences']}, moved {_fmt(m.get('moved'), 4)} (limit {m['limit']})"
         )
+    mt = results["machine_time"]
+    lines += [
+        "",
+        "## Machine time",
+        "",
+        f"{mt['total_hours']} h so far (the teacher {mt['teacher_seconds']:.0f} s, {len(results['runs'])} runs "
+        f"{mt['runs_seconds']:.0f} s; wall time of the machines that ran them, shared load included); the "
+        f"{len(results['unfinished'])} unfinished runs need about {mt['unfinished_estimate_hours']} h more "
+        "(each scale's median run).",
+    ]
     if results["unfinished"]:
         lines += ["", f"Unfinished runs ({len(results['unfinished'])}): {', '.join(results['unfinished'])}"]
     lines += ["", *[f"![{p}]({p})" for p in plots], ""]
