@@ -663,9 +663,10 @@ def _teacher_and_data(study: Study, workdir: Path):
 def _run_locked(study: Study, workdir: Path, parts: list[str], merge: list[str | Path]) -> None:
     paths, folder, teacher, tokenizer = _teacher_and_data(study, workdir)
     done_elsewhere = merged_records(study, teacher_digest(folder), merge)
-    specs = [s for s in run_specs(study, parts) if (s.arm, s.seed, s.scale) not in done_elsewhere]
-    if len(specs) < len(run_specs(study, parts)):
-        log(f"{len(run_specs(study, parts)) - len(specs)} run(s) of these parts finished in a --merge file: skipped")
+    planned = run_specs(study, parts)
+    specs = [s for s in planned if (s.arm, s.seed, s.scale) not in done_elsewhere]
+    if len(specs) < len(planned):
+        log(f"{len(planned) - len(specs)} run(s) of these parts finished in a --merge file: skipped")
     all_arms = [a for a in ARMS]
     probe_config = comparison_config(study, paths, folder, 0, 1.0, all_arms)
     head_maps = probe_once(load_variants(probe_config), workdir, comparison_base(probe_config))
@@ -1000,7 +1001,7 @@ def render(results: dict, plots: list[str]) -> str:
         "## Machine time",
         "",
         f"{mt['total_hours']} h so far (the teacher {mt['teacher_seconds']:.0f} s, {len(results['runs'])} runs "
-        f"{mt['runs_seconds']:.0f} s; wall time of the machines that ran them, shared load included); the "
+        f"{mt['runs_seconds']:.0f} s; wall time on the machines that ran them, shared load and pauses included); the "
         f"{len(results['unfinished'])} unfinished runs need about {mt['unfinished_estimate_hours']} h more "
         "(each scale's median run).",
     ]
