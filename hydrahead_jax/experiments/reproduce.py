@@ -827,7 +827,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "results.json", results)
     plots = [plot_recall(results, out)]
-    (out / "report.md").write_text(render(results, plots))
+    (out / "report.md").write_text(render(results, plots, study))
     log(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(plots)}")
     return results
 
@@ -932,7 +932,7 @@ def machine_time(results: dict, unfinished_scales: list[float]) -> dict[str, flo
     }
 
 
-def render(results: dict, plots: list[str]) -> str:
+def render(results: dict, plots: list[str], study: Study) -> str:
     t = results["teacher"]
     acc = t["acceptance"]
     lines = ["# Reproduction of HydraHead's claims on a small teacher trained here", ""]
@@ -943,8 +943,7 @@ def render(results: dict, plots: list[str]) -> str:
             f"{x['metric']}: {_fmt(x.get('estimate'), 4)} [{_fmt(x.get('ci_low'), 4)}, {_fmt(x.get('ci_high'), 4)}]"
             for x in c["components"]
         )
-        study = results["study"]
-        planned = min(study["seeds"] if arm in PRIMARY else study["other_seeds"] for arm in c["arms"])
+        planned = min(study.seeds_of(arm) for arm in c["arms"])
         decision = c["decision"] + (" (provisional)" if c["n_seeds"] < planned and c["decision"] != "undecided" else "")
         lines.append(f"| {c['id']} | {decision} | {comps} | {c['n_seeds']} of {planned} | {c['statement']} |")
     lines += [
