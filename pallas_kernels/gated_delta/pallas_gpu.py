@@ -123,14 +123,16 @@ def _unit_lower_inverse_block(a, row, col):
         T = I;  for r = 1 … S−1:  T[r, :] = e_r − Σ_{j<r} a[r, j] T[j, :]
 
     (rows j < r of T are final when row r is formed). Each step reads row r of ``a`` and writes row r of T with
-    masked reductions over the block: a register tensor cannot be indexed by row in Triton."""
-    S = a.shape[0]
-    t = (row == col).astype(_F32)
-    for r in range(1, S):
+    masked reductions over the block: a register tensor cannot be indexed by row in Triton. The steps are a loop,
+    not unrolled: unrolled, the C / S blocks' substitutions were most of the kernel's Triton IR, its compile time
+    and its spills."""
+
+    def substitute(r, t):
         a_r = jnp.sum(jnp.where(row == r, a, 0.0), axis=0, keepdims=True)  # (1,S): a[r, j] in column j
         a_col = jnp.sum(jnp.where(row == col, a_r, 0.0), axis=1, keepdims=True)  # (S,1): a[r, j] in row j
-        t = jnp.where(row == r, t - jnp.sum(a_col * t, axis=0, keepdims=True), t)
-    return t
+        return jnp.where(row == r, t - jnp.sum(a_col * t, axis=0, keepdims=True), t)
+
+    return jax.lax.fori_loop(1, a.shape[0], substitute, (row == col).astype(_F32))
 
 
 def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
@@ -143,10 +145,11 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
 
         T_ij = −T_ii Σ_{m=j}^{i−1} A_im T_mj    (i > j)
 
-    and W_i = Σ_{j≤i} T_ij R_j, U_i likewise, on the tensor cores, over column slices of PROLOGUE_COLUMNS. A's
-    blocks are formed from k's row blocks as they are needed, so neither A, T nor the fp32 W/U pass through HBM
-    before the kernel writes W (operand dtype), U and G (fp32). fp32 operands, not bf16: ν = U − W S is a small
-    difference of larger terms (`chunk_math.hi_lo`), and U is used unrounded.
+    and W_i = Σ_{j≤i} T_ij R_j, U_i likewise, on the tensor cores, in a loop over column slices of PROLOGUE_COLUMNS
+    (a loop, so the kernel's size and Triton compile time do not grow with K). A's blocks are formed from k's row
+    blocks as they are needed (their Gram products loop over the same slices), so neither A, T nor the fp32 W/U
+    pass through HBM before the kernel writes W (operand dtype), U and G (fp32). fp32 operands, not bf16:
+    ν = U − W S is a small difference of larger terms (`chunk_math.hi_lo`), and U is used unrounded.
     With a document column (``refs`` then starts with it), G is the segment-local sum, A couples tokens of one
     document only and W's right-hand side keeps the rows that read the carried state (doc = 0), as in
     ``chunk_math.chunk_prep``."""
@@ -172,17 +175,23 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
         )
         gcum_ref[rows[i], :] = gcum[i]
 
-    kp, vp = k_ref.shape[-1], v_ref.shape[-1]
-    k_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, kp)) for c in range(0, kp, PROLOGUE_COLUMNS)]
-    v_cols = [pl.ds(c, min(PROLOGUE_COLUMNS, vp)) for c in range(0, vp, PROLOGUE_COLUMNS)]
+    def column_slices(ref):  # (number of slices, their width): the feature axis in PROLOGUE_COLUMNS-wide slices
+        width = min(PROLOGUE_COLUMNS, ref.shape[-1])
+        return ref.shape[-1] // width, width
+
+    def columns(c, width):
+        return pl.ds(pl.multiple_of(c * width, width), width)
 
     def a_block(i, m):  # A_im, strictly lower on the diagonal (m == i)
         keep = couples(i, m) & (row > col) if m == i else couples(i, m)
         decay = jnp.exp(jnp.where(keep, gcum[i] - as_row(gcum[m]), -jnp.inf))
-        gram = sum(
-            chunk_math.dot(k_ref[rows[i], c].astype(_F32), k_ref[rows[m], c].astype(_F32), prec, trans_b=True)
-            for c in k_cols
-        )
+        n, width = column_slices(k_ref)
+
+        def add_slice(c, gram):
+            ks = [k_ref[rows[x], columns(c, width)].astype(_F32) for x in (i, m)]
+            return gram + chunk_math.dot(ks[0], ks[1], prec, trans_b=True)
+
+        gram = jax.lax.fori_loop(0, n, add_slice, jnp.zeros((S, S), _F32))
         return beta[i] * gram * decay
 
     def read_decay(j):  # r ⊙ e^G: only the document the chunk began in reads the carried state
@@ -194,16 +203,22 @@ def _prologue_kernel(k_ref, v_ref, g_ref, beta_ref, *refs, C, prec):
         for i in range(j + 1, nb):
             acc = sum(chunk_math.dot(a[i, m], t[m, j], prec) for m in range(j, i))
             t[i, j] = -chunk_math.dot(t[i, i], acc, prec)
-    for i in range(nb):
-        for c in k_cols:
-            w = sum(
-                chunk_math.dot(t[i, j], beta[j] * read_decay(j) * k_ref[rows[j], c].astype(_F32), prec)
-                for j in range(i + 1)
-            )
-            w_ref[rows[i], c] = w.astype(w_ref.dtype)
-        for c in v_cols:
-            u = sum(chunk_math.dot(t[i, j], beta[j] * v_ref[rows[j], c].astype(_F32), prec) for j in range(i + 1))
-            u_ref[rows[i], c] = u
+
+    def solve(in_ref, out_ref, row_scale):  # out_i = Σ_{j≤i} T_ij (row_scale_j ⊙ in_j), one column slice at a time
+        n, width = column_slices(in_ref)
+
+        def one_slice(c, carry):
+            cs = columns(c, width)
+            rhs = [row_scale[j] * in_ref[rows[j], cs].astype(_F32) for j in range(nb)]
+            for i in range(nb):
+                out = sum(chunk_math.dot(t[i, j], rhs[j], prec) for j in range(i + 1))
+                out_ref[rows[i], cs] = out.astype(out_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, n, one_slice, 0)
+
+    solve(k_ref, w_ref, [beta[j] * read_decay(j) for j in range(nb)])
+    solve(v_ref, u_ref, beta)
 
 
 def prologue(cfg, q, k, v, g, beta, doc, *, interpret=False):
