@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,23 @@ def _drop_rows_after(path: Path, stage: str, step: int) -> None:
         os.replace(tmp, path)
 
 
+def _summary_writer_class():
+    """tensorboardX's ``SummaryWriter``, imported without torch. Its writer module imports torch whenever torch is
+    installed (3.4 s and several hundred MB at every start of a run on a machine with the dev extras), only to
+    accept torch tensors, which nothing here passes; a ``None`` entry in ``sys.modules`` makes that import fail
+    the way it does without torch. Where torch is already imported, tensorboardX gets it as usual."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class StageLogger:
     """Writes one JSON line per step to ``workdir/metrics.jsonl`` and scalars to ``workdir/tensorboard``."""
 
@@ -72,9 +90,7 @@ class StageLogger:
             if start_step > 0 and heldout_file is not None and heldout_file.exists():
                 self._heldout_first = json.loads(heldout_file.read_text()).get("first")  # logged before the resume
         if tensorboard and primary:
-            from tensorboardX import SummaryWriter  # local: optional dependency at import time
-
-            self._tb = SummaryWriter(str(Path(workdir) / "tensorboard" / stage), flush_secs=10)
+            self._tb = _summary_writer_class()(str(Path(workdir) / "tensorboard" / stage), flush_secs=10)
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
