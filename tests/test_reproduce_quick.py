@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 
 def _command(workdir, *flags):
     return [sys.executable, "-m", "hydrahead_jax.experiments.reproduce", f"--workdir={workdir}", "--quick", *flags]
 
 
+@pytest.mark.slow  # the suite's longest test (4-5 min): started first, so no worker runs it alone at the end
 def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
     workdir = tmp_path / "study"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
