@@ -21,6 +21,7 @@ CORE = [
     "matplotlib",
     "tensorboardX",
     "pyarrow",
+    "filelock",  # jax's lock around the persistent compilation cache (hydrahead_jax.compilation)
 ]
 
 setup(

@@ -35,12 +35,19 @@ def release_compiled() -> None:
     gc.collect()
 
 
+# The persistent cache's size limit. Any limit makes jax hold a file lock around every read and write of the cache:
+# without one, a process can read an entry another process is still writing (the processes of a multi-process run
+# on one machine, a run beside an evaluation) and crash deserialising it. The least recently used entries go first.
+CACHE_MAX_BYTES = 20 * 2**30
+
+
 def use_persistent_cache() -> None:
-    """Compiled programs persist under the data cache (``$JAX_COMPILATION_CACHE_DIR`` wins when set): a resumed
-    (preempted) run, the next stage with the same shapes, or a variant of the same shape reads them instead of
-    compiling again."""
+    """Compiled programs persist under the data cache (``$JAX_COMPILATION_CACHE_DIR`` wins when set, with the
+    other ``$JAX_*`` cache settings): a resumed (preempted) run, the next stage with the same shapes, or a variant
+    of the same shape reads them instead of compiling again."""
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         from hydrahead_jax.data.corpus import cache_dir
 
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
