@@ -1,7 +1,6 @@
 """Test setup: 8 simulated CPU devices (must be set before JAX initialises) and shared fixtures."""
 
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -17,18 +16,16 @@ if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
-# One persistent compilation cache for the pytest workers and the train.py / bench subprocesses they start (which
-# inherit os.environ): many tests compile the same tiny programs again (every train.py run of the tiny recipe, the
-# processes of a resume test), and every program is worth keeping (threshold 0). The size limit is what makes the
-# sharing safe: with one, jax locks the cache around each read and write, so no process deserialises an entry
-# another is still writing (without it, two workers crashed that way).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "hydrahead_test_jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(20 * 2**30))
-
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# No persistent compilation cache in the test processes themselves: deserialising XLA:CPU executables that two
+# pytest workers write and read at once crashed workers (a segfault in the cache read, an abort in a compile);
+# the train.py and bench subprocesses get one from train_helpers, each run reading what an earlier run wrote.
+# jax's lock around the cache (on with a size limit, as hydrahead_jax.compilation sets it) would make sharing
+# safe, but each write then lists and reads the whole cache under the lock: with the thousands of small programs
+# the suite compiles, the workers spent their time waiting on it (a run measured 2026-12-04 was past 45 min at
+# 41 % of the tests, against 36 min for the whole suite without it).
 
 
 import collections  # noqa: E402

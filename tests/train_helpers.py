@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,13 +18,16 @@ def tiny_config():
 
 
 def single_device_env() -> dict:
-    """The environment of a subprocess with ONE CPU device (the tests' 8-device flag removed); the tests'
-    persistent compilation cache comes with os.environ (tests/conftest.py)."""
+    """The environment of a subprocess with ONE CPU device (the tests' 8-device flag removed) and the tests'
+    persistent compilation cache."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
     )
     env["JAX_PLATFORMS"] = "cpu"
+    # Reruns of the same stage (resume tests) reuse compiled steps instead of compiling again.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hydrahead_test_jax_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     return env
 
 
