@@ -38,6 +38,8 @@ def release_compiled() -> None:
 # The persistent cache's size limit. Any limit makes jax hold a file lock around every read and write of the cache:
 # without one, a process can read an entry another process is still writing (the processes of a multi-process run
 # on one machine, a run beside an evaluation) and crash deserialising it. The least recently used entries go first.
+# The price: each write lists the whole cache under the lock, cheap while only programs that took >= 1 s to compile
+# are kept (tens per run; the test suite, which would keep thousands of small ones, does without the lock).
 CACHE_MAX_BYTES = 20 * 2**30
 
 
