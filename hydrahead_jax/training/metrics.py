@@ -49,15 +49,14 @@ def _summary_writer_class():
     installed (3.4 s and several hundred MB at every start of a run on a machine with the dev extras), only to
     accept torch tensors, which nothing here passes; a ``None`` entry in ``sys.modules`` makes that import fail
     the way it does without torch. Where torch is already imported, tensorboardX gets it as usual."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if block:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
