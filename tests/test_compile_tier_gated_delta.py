@@ -5,7 +5,7 @@ backward, translates to Triton IR and is compiled by Triton for sm_90a with its 
 H200's 232,448 B of shared memory per block (a kernel over it fails to launch on the device); the Pallas TPU
 kernels are compiled by the real TPU compiler (libtpu's compile-only devices: Mosaic's layout inference and VMEM
 allocation included) for a v5e and a v6e chip and, inside ``jax.shard_map``, for an 8-chip v5e slice with the
-batch sharded, each kernel's VMEM and the program's per-chip memory reported; with segment ids (packed documents: one more (C, 1) operand per kernel) as without. What it does
+batch sharded, each kernel's VMEM and the program's per-chip memory reported; with segment ids (packed documents: one more operand per kernel, in G's layout) as without. What it does
 not prove: speed, or values on the device (tests/test_gated_delta.py checks the same
 kernel bodies' values and gradients in interpret mode; bench/gpu_check_gated_delta.py on a GPU).
 

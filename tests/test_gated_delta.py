@@ -414,6 +414,66 @@ def test_pallas_interpret_is_logged_once(caplog):
     assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1
 
 
+def _pallas_calls(fn, *args):
+    """{kernel name: (grid, [lhs contracting dims of each 2-D dot in the kernel])} of the pallas_calls in
+    ``fn``'s jaxpr."""
+    from jax._src import core
+
+    def walk(jaxpr, out):
+        for eqn in jaxpr.eqns:
+            out.append(eqn)
+            for sub in core.jaxprs_in_params(eqn.params):
+                walk(sub, out)
+        return out
+
+    calls = {}
+    for eqn in walk(jax.make_jaxpr(fn)(*args).jaxpr, []):
+        if eqn.primitive.name == "pallas_call":
+            dots = [e.params["dimension_numbers"][0][0][0] for e in walk(eqn.params["jaxpr"], [])
+                    if e.primitive.name == "dot_general"]  # fmt: skip
+            calls[eqn.params["name"]] = (tuple(eqn.params["grid_mapping"].grid), dots)
+    return calls
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segment_ids"])
+def test_pallas_tpu_walks_several_chunks_per_grid_step(segmented):
+    """T = 300 in chunks of 16: N = 19 chunks, 8 per grid step, so 3 steps with the state carried across them and 5
+    identity chunks padded at the end; values and gradients as the token-by-token reference's (with segment ids:
+    the XLA path's, itself checked against separate runs per document above)."""
+    args = make_inputs(1, 300, 2, 16, 24, seed=30, unit_keys=False)
+    seg = jnp.asarray(np.repeat([3, 5, 5, 9], [37, 101, 90, 72])[None]) if segmented else None  # starts at 37, 228
+    kw = dict(chunk_size=16, l2=True, segment_ids=seg) if segmented else dict(chunk_size=16, l2=True)
+    pal = runner("pallas_tpu", **kw)
+    ref = packed_runner("xla", segment_ids=seg) if segmented else runner("naive", l2=True)
+    expected = values_and_grads(ref, args)
+    assert_matches(pal, args, expected, jit=False)
+    grids = {name: grid for name, (grid, _) in _pallas_calls(jax.grad(weighted_loss(pal)), *args).items()}
+    assert grids == {name: (1, 2, 3) for name in grids} and len(grids) == 5, grids
+
+
+def test_pallas_tpu_products_read_no_transposed_left_operand():
+    """The TPU kernels' layouts (k, q, W transposed for the sequential kernels; the transposed scores for dν_local)
+    leave one product per chunk whose left operand is read transposed: (dP ⊙ D)ᵀ q in the chunk-parallel grads
+    kernel. The GPU kernels, which keep the plain layouts, read one in each of the state, dstate, dv_local and
+    grads kernels (kᵀ ν; (q ⊙ e^G)ᵀ dO and Wᵀ dν; scoresᵀ dO; (dP ⊙ D)ᵀ q)."""
+    args = make_inputs(1, 100, 1, 16, 16, seed=31)  # 4 chunks of 32: one TPU program walks all 4
+    tpu = _pallas_calls(jax.grad(weighted_loss(runner("pallas_tpu", chunk_size=32))), *args)
+    assert {name: dots.count(0) for name, (_, dots) in tpu.items() if 0 in dots} == {"gated_delta_grads": 4}
+    gpu = _pallas_calls(jax.grad(weighted_loss(runner("pallas_gpu", chunk_size=32, block_v=16))), *args)
+    assert {name for name, (_, dots) in gpu.items() if 0 in dots} == {
+        "gated_delta_state",
+        "gated_delta_dstate",
+        "gated_delta_dv_local",
+        "gated_delta_grads",
+    }
+
+
+def test_pallas_tpu_chunks_per_step_must_fill_tiles():
+    args = make_inputs(1, 64, 1, 16, 16)
+    with pytest.raises(ValueError, match="chunks_per_step must be a positive multiple of 8"):
+        runner("pallas_tpu", chunks_per_step=4)(*args)
+
+
 # ---------------------------------------------------------------- lowering
 
 

@@ -245,9 +245,16 @@ def _total(x):
 
 
 def _chunk_end(g):
-    """g (C,1) chunk-local cumulative log decay → (G_C as a (1,1) block, mask of the last row (C,1))."""
-    last = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == g.shape[0] - 1
-    return jnp.sum(jnp.where(last, g, 0.0), axis=0, keepdims=True), last
+    """g, the chunk-local cumulative log decay as a (C,1) column or a (1,C) row → (G_C as a (1,1) block, the mask
+    of g's last entry)."""
+    axis = 0 if g.shape[1] == 1 else 1
+    last = jax.lax.broadcasted_iota(jnp.int32, g.shape, axis) == g.shape[axis] - 1
+    return jnp.sum(jnp.where(last, g, 0.0), axis=axis, keepdims=True), last
+
+
+def _iotas(C):
+    """Row and column index of a (C,C) block."""
+    return jax.lax.broadcasted_iota(jnp.int32, (C, C), 0), jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
 
 
 def _as_row(x, row, col):
@@ -255,16 +262,29 @@ def _as_row(x, row, col):
     return jnp.sum(jnp.where(row == col, x, 0.0), axis=0, keepdims=True)
 
 
-def _causal_decay(g, doc=None):
-    """D (C,C): e^{G_i − G_j} for i ≥ j (and, with ``doc``, i and j of one document), else 0; plus the iotas."""
-    C = g.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+def as_row(x):
+    """A (C,1) column as a (1,C) row (`_as_row` with its iotas)."""
+    return _as_row(x, *_iotas(x.shape[0]))
+
+
+def as_column(x):
+    """A (1,C) row as a (C,1) column, by a masked reduction (the inverse of `_as_row`)."""
+    row, col = _iotas(x.shape[1])
+    return jnp.sum(jnp.where(row == col, x, 0.0), axis=1, keepdims=True)
+
+
+def _causal_decay(g, doc=None, transposed=False):
+    """D (C,C): e^{G_i − G_j} for i ≥ j (and, with ``doc``, i and j of one document), else 0; plus the iotas.
+    ``transposed``: Dᵀ instead (e^{G_j − G_i} for j ≥ i), for a product that would otherwise read D transposed."""
+    row, col = _iotas(g.shape[0])
+    exponent = g - _as_row(g, row, col)  # G_i − G_j
     keep = row >= col
+    if transposed:  # built the other way round from the iotas: no value is transposed
+        keep, exponent = row <= col, -exponent
     if doc is not None:
-        keep = keep & (doc == _as_row(doc, row, col))
+        keep = keep & (doc == _as_row(doc, row, col))  # one document: a symmetric relation
     # Mask before exp: only kept pairs (non-positive exponents) reach exp.
-    return jnp.exp(jnp.where(keep, g - _as_row(g, row, col), -jnp.inf)), row, col
+    return jnp.exp(jnp.where(keep, exponent, -jnp.inf)), row, col
 
 
 def decay_gates(g, g_last, doc=None, doc_last=None):
@@ -287,7 +307,8 @@ def decay_gates(g, g_last, doc=None, doc_last=None):
 
 
 def _gates(g, doc):
-    """`decay_gates` of one chunk (g, doc (C,1) columns) → (read, write, carry, G_C (1,1), last-row mask)."""
+    """`decay_gates` of one chunk (g, doc both (C,1) columns or both (1,C) rows) → (read, write, carry, G_C (1,1),
+    the mask of the last entry), the gates in g's layout."""
     g_last, last = _chunk_end(g)
     doc_last = None if doc is None else _chunk_end(doc)[0]
     return (*decay_gates(g, g_last, doc, doc_last), g_last, last)
@@ -302,24 +323,28 @@ def hi_lo(x, dt):
     return hi, (x - hi.astype(_F32)).astype(dt)
 
 
-def state_step(k, w, u, g, s, prec, doc=None):
+def state_step(k, w, u, g, s, prec, doc=None, *, keys_transposed=False):
     """S_{n+1} = e^{G_C} S_n + (k ⊙ e^{G_C − G})ᵀ (U − W S_n) for one V tile (gated by c and w with ``doc``).
 
     k, w (C,K) in the operand dtype; u (C,BV), g, doc (C,1) and s (K,BV) fp32 → fp32 (K,BV).
+    ``keys_transposed`` (the TPU kernels' layout): k is given as kᵀ (K,C) and g, doc as (1,C) rows, so the
+    update is a plain (K,C)·(C,BV) product instead of one that reads its left operand transposed.
     """
     dt = k.dtype
     _, write, carry, _, _ = _gates(g, doc)
     vn = u.astype(_F32) - dot(w, s.astype(dt), prec)
     kd = (k.astype(_F32) * write).astype(dt)
-    return carry * s + dot(kd, vn.astype(dt), prec, trans_a=True)
+    return carry * s + dot(kd, vn.astype(dt), prec, trans_a=not keys_transposed)
 
 
-def intra_chunk(q, k, g, prec, doc=None):
-    """(q kᵀ) ⊙ D and q ⊙ e^G (⊙ r), both in the operand dtype, formed once per chunk for all V tiles."""
+def intra_chunk(q, k, g, prec, doc=None, *, transposed=False):
+    """(q kᵀ) ⊙ D and q ⊙ e^G (⊙ r), both in the operand dtype, formed once per chunk for all V tiles.
+    ``transposed``: ((q kᵀ) ⊙ D)ᵀ = (k qᵀ) ⊙ Dᵀ instead of the first, for dν_local without a transposed-lhs
+    product."""
     dt = q.dtype
-    decay, _, _ = _causal_decay(g, doc)
+    decay, _, _ = _causal_decay(g, doc, transposed)
     read = _gates(g, doc)[0]
-    scores = dot(q, k, prec, trans_b=True) * decay
+    scores = (dot(k, q, prec, trans_b=True) if transposed else dot(q, k, prec, trans_b=True)) * decay
     return scores.astype(dt), (q.astype(_F32) * read).astype(dt)
 
 
@@ -331,15 +356,19 @@ def output_tile(qd, scores, w, u, s, prec):
     return dot(qd, s, prec) + dot(scores, vn.astype(dt), prec)
 
 
-def dstate_step(q, k, w, g, do, dvl, ds, prec, doc=None):
-    """Reverse step: ds = dS_{n+1} (K,BV) fp32, dvl = ((q kᵀ) ⊙ D)ᵀ dO (C,BV) fp32 → (dν (C,BV), dS_n), fp32."""
+def dstate_step(q, k, w, g, do, dvl, ds, prec, doc=None, *, transposed=False):
+    """Reverse step: ds = dS_{n+1} (K,BV) fp32, dvl = ((q kᵀ) ⊙ D)ᵀ dO (C,BV) fp32 → (dν (C,BV), dS_n), fp32.
+
+    ``transposed`` (the TPU kernels' layout): q and w are given as qᵀ, Wᵀ (K,C) and g, doc as (1,C) rows (k stays
+    (C,K)), so every product is a plain one; the write gate, needed as a column for k, is turned by `as_column`.
+    """
     dt = k.dtype
     read, write, carry, _, _ = _gates(g, doc)
-    kd = (k.astype(_F32) * write).astype(dt)
+    kd = (k.astype(_F32) * (as_column(write) if transposed else write)).astype(dt)
     dvn = dvl + dot(kd, ds.astype(dt), prec)
     qd = (q.astype(_F32) * read).astype(dt)
-    ds_prev = dot(qd, do.astype(dt), prec, trans_a=True) + carry * ds
-    return dvn, ds_prev - dot(w, dvn.astype(dt), prec, trans_a=True)
+    ds_prev = dot(qd, do.astype(dt), prec, trans_a=not transposed) + carry * ds
+    return dvn, ds_prev - dot(w, dvn.astype(dt), prec, trans_a=not transposed)
 
 
 def grads_init(C, K):
