@@ -5,6 +5,7 @@ promises, with finite positive measurements, and the gated delta benchmark's own
 transformers' torch implementation passes (it raises otherwise). Nothing is appended to bench/RESULTS.md.
 """
 
+import json
 import math
 import re
 import subprocess
@@ -118,6 +119,19 @@ def test_context_parallel_quick(capsys):
     # of which each device receives the 7/8 it does not hold (the backward's reduce-scatter sends as much back).
     gathered = 7 / 8 * 2 * 512 * 3 * 64 * 4
     assert split["teacher"]["by_op"]["all-gather"] == split["teacher"]["by_op"]["reduce-scatter"] == gathered
+
+
+def test_gated_delta_tpu_quick(tmp_path, capsys):
+    """The TPU compile benchmark at T = 1K, 2 heads: every kernel's grid has B·H·N/P = 1·2·16/8 = 4 steps, and each
+    kernel's scoped VMEM comes from the compiled program."""
+    import bench_gated_delta_tpu
+
+    bench_gated_delta_tpu.main(["--quick", "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    kernels = {f"gated_delta_{n}" for n in ("state", "output", "dv_local", "dstate", "grads")}
+    assert len(rows) == 1 and rows[0]["grid_steps"] == {name: 4 for name in kernels}
+    assert set(rows[0]["vmem_kib"]) == kernels and rows[0]["temp_mib"] < rows[0]["peak_mib"]
+    assert len(_table_rows(capsys.readouterr().out, "chunks per step")) == 1
 
 
 def test_collective_bytes_of_hand_written_hlo():
