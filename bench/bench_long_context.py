@@ -252,8 +252,9 @@ def plot(results, longest, budget, path):
         ("prefill_bytes", "prefill memory (GiB, compiled)", C.GiB),
         ("decode_bytes", "decode-step memory (GiB, compiled)", C.GiB),
         ("cache_bytes", "decode cache (GiB)", C.GiB),
-        ("decode_s_per_token", "decode time per token (ms)", 1e-3),
     ]
+    if any(r.get("decode_s_per_token") is not None for by_ctx in results.values() for r in by_ctx.values()):
+        panels.append(("decode_s_per_token", "decode time per token (ms)", 1e-3))  # a run that timed decoding
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (key, title, div) in zip(axes, panels):
         for name, by_ctx in results.items():
