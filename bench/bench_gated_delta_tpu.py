@@ -38,7 +38,7 @@ CHIPS = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}
 
 def kernel_grids(fn, *args) -> dict[str, tuple[int, ...]]:
     """{pallas_call name: grid} of ``fn``'s jaxpr (abstract arguments)."""
-    from jax._src import core
+    from jax.extend import core
 
     grids = {}
 

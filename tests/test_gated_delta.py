@@ -417,7 +417,7 @@ def test_pallas_interpret_is_logged_once(caplog):
 def _pallas_calls(fn, *args):
     """{kernel name: (grid, [lhs contracting dims of each 2-D dot in the kernel])} of the pallas_calls in
     ``fn``'s jaxpr."""
-    from jax._src import core
+    from jax.extend import core
 
     def walk(jaxpr, out):
         for eqn in jaxpr.eqns:
