@@ -70,8 +70,8 @@ new values ν = U − W S (a small difference of larger terms) enter the gradien
 
 The chunk functions are written with ops that lower on Triton, Mosaic TPU and in interpret mode: 2-D
 `lax.dot_general`, broadcasted iota masks, single-axis reductions with keepdims, `jnp.where`; no gathers, no
-dynamic value indexing, no 1-D or 0-d values (G travels as a (C, 1) column, G_C as a (1, 1) block: Mosaic cannot
-always legalise a transcendental on a scalar). Every exponent is ≤ 0: decay differences are masked to −inf where
+dynamic value indexing, no 1-D or 0-d values (G travels as a (C, 1) column, or a (1, C) row in the TPU kernels'
+layout, G_C as a (1, 1) block: Mosaic cannot always legalise a transcendental on a scalar). Every exponent is ≤ 0: decay differences are masked to −inf where
 i < j BEFORE exp, so even g = −20 per step over a 64-token chunk cannot overflow.
 """
 
