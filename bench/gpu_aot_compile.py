@@ -174,6 +174,8 @@ def main(argv=None):
             compiled = lowered.compile()
         seconds = time.perf_counter() - start
         found = kernels_of(f"jit_{module}", known)
+        if not cudnn and not found:
+            sys.exit(f"{name}: none of the kernels {sorted(known)} is in the compiled program")
         if cudnn:
             calls = compiled.as_text().count("__cudnn$fmha")
             rows.append(dict(case=name, kernel=f"cuDNN fused attention ({calls} calls)", compile_s=seconds))
