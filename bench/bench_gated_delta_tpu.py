@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -103,7 +104,7 @@ def main(argv=None):
         rows.append(
             dict(
                 chunks_per_step=p if supported or p == "xla" else 1,
-                grid_steps={name: int(jnp.prod(jnp.array(grid))) for name, grid in grids.items()},
+                grid_steps={name: math.prod(grid) for name, grid in grids.items()},
                 vmem_kib={name: round(v / 1024) for name, v in vmem.items()},
                 temp_mib=compiled.temp_bytes / 2**20,
                 peak_mib=compiled.peak_bytes / 2**20,
