@@ -18,6 +18,9 @@
        u − w·h 2CKV,  h += kᵀ·(u − w·h) 2CKV,  q·h 2CKV,  q·kᵀ 2C²K,  (q·kᵀ ⊙ M)·(u − w·h) 2C²V
    = 6C²K + 4C²V + 6CKV + C³/3. The backward counts 2x the forward (each product A·B needs dA and dB;
    recomputation is not counted as work), so forward+backward is 3x.
+   Beside each row, "prologue": the WY prologue alone (W, U and the cumulative decays of every chunk, which a
+   bf16 run's forward and backward each compute once), our Pallas kernel (`pallas_gpu.prologue_call`) against
+   the XLA prologue it replaces (`chunk_math._prepare`), counted as A, (I + A)⁻¹, W and U: 4C²K + 2C²V + C³/3.
 Rows run most important first (K = V = 128 at 8K) and are skipped with a note once the time budget is spent.
 Imports jax, numpy and this checkout's pallas_kernels; torch and fla only for the peer, when installed.
 """
@@ -39,7 +42,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _gpu_check import Budget, Report, budgeted_rows, first_line, rel_err, run_script, time_variants  # noqa: E402
 
-from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule  # noqa: E402
+from pallas_kernels.gated_delta import (  # noqa: E402
+    chunk_gated_delta_rule,
+    chunk_math,
+    naive_gated_delta_rule,
+    pallas_gpu,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -62,6 +70,29 @@ TOKENS = {"full": 32768, "quick": 32768, "dry-run": 50}  # B·T per row
 HEADS = {"full": 16, "quick": 16, "dry-run": 2}
 REPEATS = {"full": 10, "quick": 5, "dry-run": 1}
 SECONDS_PER_TIMING = {"full": 2.0, "quick": 1.0, "dry-run": 1.0}
+
+
+def prologue_flops(b: int, t: int, h: int, k: int, v: int, c: int = CHUNK) -> float:
+    """FLOPs of the WY prologue (A, its inverse, W and U; module docstring)."""
+    return b * h * math.ceil(t / c) * (4 * c * c * k + 2 * c * c * v + c**3 / 3)
+
+
+def prologue_calls(args, interpret: bool) -> dict[str, Callable[[], object]]:
+    """The WY prologue of a bf16 run on ``args``: our kernel and the XLA prologue, each jitted, as the rule calls
+    them (q/k L2 norm, no documents)."""
+    q, k, v, g, beta, _ = args
+    cfg = chunk_math.RuleConfig(
+        scale=q.shape[-1] ** -0.5,
+        use_qk_l2norm=True,
+        chunk_size=CHUNK,
+        key_dim_padded=chunk_math._round_up_pow2(q.shape[-1]),
+        value_dim_padded=chunk_math._round_up_pow2(v.shape[-1]),
+        operand_dtype=jnp.dtype(q.dtype),
+        prec=chunk_math.default_precision(q.dtype),
+    )
+    kernel = jax.jit(lambda *x: pallas_gpu.prologue_call(cfg, *x, None, interpret=interpret))
+    xla = jax.jit(lambda *x: chunk_math._prepare(cfg, *x))
+    return {"pallas": partial(kernel, q, k, v, g, beta), "xla": partial(xla, q, k, v, g, beta)}
 
 
 def gdn_flops_fwd(b: int, t: int, h: int, k: int, v: int, c: int = CHUNK) -> float:
@@ -251,7 +282,7 @@ def run_checks(report: Report, budget: Budget, cases) -> None:
                 report.check_error(case, name, e)
 
 
-def run_bench(report: Report, budget: Budget, mode: str, fla_gdn) -> None:
+def run_bench(report: Report, budget: Budget, mode: str, fla_gdn, on_gpu: bool) -> None:
     heads = HEADS[mode]
     for d, t in budgeted_rows(report, budget, ROWS[mode], min_row_s=0 if mode == "dry-run" else 10):
         b = max(1, TOKENS[mode] // t)
@@ -266,11 +297,18 @@ def run_bench(report: Report, budget: Budget, mode: str, fla_gdn) -> None:
                 calls["fwd"]["fla"], calls["fwd+bwd"]["fla"] = peer.fwd, peer.fwd_bwd
             except Exception as e:  # e.g. out of memory copying the inputs: this row has no fla column
                 report.note(f"fla skipped at D={d} T={t}: {first_line(e)}")
+        calls["prologue"] = prologue_calls(args, interpret=not on_gpu)
         flops_fwd = gdn_flops_fwd(b, t, heads, d, d)
-        for direction, flops in (("fwd", flops_fwd), ("fwd+bwd", 3 * flops_fwd)):
+        flops = {"fwd": flops_fwd, "fwd+bwd": 3 * flops_fwd, "prologue": prologue_flops(b, t, heads, d, d)}
+        for direction in ("fwd", "fwd+bwd", "prologue"):
             row = dict(D=d, T=t, B=b, H=heads, direction=direction)
             time_variants(
-                report, calls[direction], flops=flops, row=row, repeats=REPEATS[mode], seconds=SECONDS_PER_TIMING[mode]
+                report,
+                calls[direction],
+                flops=flops[direction],
+                row=row,
+                repeats=REPEATS[mode],
+                seconds=SECONDS_PER_TIMING[mode],
             )
 
 
@@ -284,7 +322,7 @@ def steps(report: Report, budget: Budget, mode: str, on_gpu: bool) -> None:
         except Exception as e:  # the peer failing is reported, never a failure of our kernel
             report.note(f"fla skipped: its agreement check raised {first_line(e)}")
             fla_gdn = None
-    run_bench(report, budget, mode, fla_gdn)
+    run_bench(report, budget, mode, fla_gdn, on_gpu)
 
 
 def main(argv=None) -> int:

@@ -224,6 +224,9 @@ def test_gpu_check_dry_run(tmp_path):
             timed = {r["impl"]: r for r in rep["bench"] if r["direction"] == direction}
             assert set(timed) == impls[kernel], (kernel, direction, timed)
             assert all(r["ms"] > 0 and math.isfinite(r["tflops"]) for r in timed.values())
+    # The gated delta rows also time its WY prologue alone: our kernel against the XLA prologue.
+    prologue = {r["impl"]: r for r in reports["gated_delta"]["bench"] if r["direction"] == "prologue"}
+    assert set(prologue) == {"pallas", "xla"} and all(r["ms"] > 0 for r in prologue.values()), prologue
     # The Markdown table's ratio column is peer time / Pallas time of the JSON rows.
     fa = {(r["direction"], r["impl"]): r["ms"] for r in reports["flash_attention"]["bench"]}
     md = (out / "gpu_check.md").read_text()
