@@ -414,25 +414,35 @@ def test_pallas_interpret_is_logged_once(caplog):
     assert sum("interpret mode" in r.getMessage() for r in caplog.records) == 1
 
 
-def _pallas_calls(fn, *args):
-    """{kernel name: (grid, [lhs contracting dims of each 2-D dot in the kernel])} of the pallas_calls in
-    ``fn``'s jaxpr."""
+def _pallas_call_eqns(fn, *args):
+    """Every pallas_call equation in ``fn``'s jaxpr, sub-jaxprs included."""
     from jax.extend import core
 
-    def walk(jaxpr, out):
+    def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            out.append(eqn)
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
             for sub in core.jaxprs_in_params(eqn.params):
-                walk(sub, out)
-        return out
+                yield from walk(sub)
 
-    calls = {}
-    for eqn in walk(jax.make_jaxpr(fn)(*args).jaxpr, []):
-        if eqn.primitive.name == "pallas_call":
-            dots = [e.params["dimension_numbers"][0][0][0] for e in walk(eqn.params["jaxpr"], [])
-                    if e.primitive.name == "dot_general"]  # fmt: skip
-            calls[eqn.params["name"]] = (tuple(eqn.params["grid_mapping"].grid), dots)
-    return calls
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _pallas_calls(fn, *args):
+    """{kernel name: (grid, [lhs contracting dim of each 2-D dot in the kernel])} of the pallas_calls in ``fn``."""
+    from jax.extend import core
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.params["dimension_numbers"][0][0][0]
+            for sub in core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+
+    return {
+        eqn.params["name"]: (tuple(eqn.params["grid_mapping"].grid), list(dots(eqn.params["jaxpr"])))
+        for eqn in _pallas_call_eqns(fn, *args)
+    }
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segment_ids"])
@@ -696,21 +706,7 @@ def test_one_segment_per_row_equals_no_segments():
 
 
 def _pallas_operand_counts(fn, *args):
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    counts = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                counts[eqn.params["name"]] = len(eqn.invars)
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    sub = getattr(sub, "jaxpr", sub)
-                    if isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jaxpr)
-    return counts
+    return {eqn.params["name"]: len(eqn.invars) for eqn in _pallas_call_eqns(fn, *args)}
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
