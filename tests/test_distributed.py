@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import grain
 import jax
 import numpy as np
 import pytest
-from train_helpers import ROOT
+from train_helpers import ROOT, with_test_compilation_cache
 
 from hydrahead_jax.data.pipeline import BatchRows, resolve_batch_rows, select_batch_rows
 from hydrahead_jax.training import sharding as shd
@@ -92,10 +91,7 @@ def _env(devices: int) -> dict[str, str]:
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    # Reruns of a stage (the resume) and the processes of one run reuse compiled steps.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hydrahead_test_jax_cache"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-    return env
+    return with_test_compilation_cache(env)
 
 
 def _command(workdir: Path, *extra: str) -> list[str]:

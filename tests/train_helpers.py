@@ -25,7 +25,12 @@ def single_device_env() -> dict:
         f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
     )
     env["JAX_PLATFORMS"] = "cpu"
-    # Reruns of the same stage (resume tests) reuse compiled steps instead of compiling again.
+    return with_test_compilation_cache(env)
+
+
+def with_test_compilation_cache(env: dict) -> dict:
+    """``env`` with the persistent compilation cache the tests' subprocesses share (unless set already): reruns of
+    the same stage (resume tests) and the processes of one run reuse compiled steps instead of compiling again."""
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hydrahead_test_jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     return env
