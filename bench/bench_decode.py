@@ -1,4 +1,5 @@
-"""Decode: per-token latency and cache memory vs context length, teacher vs HydraHead 7:1 (SmolLM2-135M shapes).
+"""Decode: per-token latency and cache memory vs context length, teacher vs HydraHead 7:1 (SmolLM2-135M shapes),
+with pure Gated DeltaNet LA heads (the paper's) and with streaming LA heads (`make demo`'s student).
 
     python bench/bench_decode.py                         # contexts 1K … 32K
     python bench/bench_decode.py --contexts 32768 --steps 16
@@ -7,13 +8,16 @@
 Both models have the SmolLM2-135M shapes (30 layers, d 576, 9 q / 3 kv heads, head_dim 64, vocab 49,152, tied
 embeddings) with RANDOM weights: decode cost does not depend on the values. The HydraHead model uses a 7:1
 global head map: round(90/8) = 11 FA groups (group 0 of 11 evenly spaced layers), the other 79 groups Gated
-DeltaNet (conv, output gate, fusion on). Each step is the model's own jitted decode step
+DeltaNet (conv, output gate, fusion on); the streaming student has the same map and adds to each LA head its
+teacher head's softmax over its first 4 and last 64 tokens (``HybridConfig(la_window=64, la_sinks=4)``, a
+constant-size ring cache). Each step is the model's own jitted decode step
 (``hydrahead_jax.models.generate._decode_step``: one token, cache donated and updated in place).
 
 The cache is pre-filled to the context length with random values of the right shapes (k/v for the FA groups,
-GDN state and conv state for the LA groups, index = context) instead of running a prefill: one decode step's
+GDN state, conv state and the streaming heads' window for the LA groups, index = context) instead of running a
+prefill: one decode step's
 cost depends only on the cache sizes, and a 32K teacher prefill would take far longer than the measurement.
-Latency: median over ``--steps`` tokens, teacher and HydraHead steps interleaved, after 2 warm-up steps each.
+Latency: median over ``--steps`` tokens, the three models' steps interleaved, after 2 warm-up steps each.
 Cache memory: ``cache_bytes`` (the analytic formula in hydrahead_jax/hybrid/cache.py) and the bytes of the
 actual cache pytree ``model.init_cache(1, context)`` allocates (they agree; the pytree adds the int32 index).
 """
@@ -39,6 +43,9 @@ from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model, cache_bytes
 from hydrahead_jax.models import Transformer  # noqa: E402
 from hydrahead_jax.models.generate import _decode_step  # noqa: E402
 
+GDN = "HydraHead 7:1"
+STREAMING = "HydraHead 7:1 streaming"
+
 
 def hydrahead_map(cfg) -> HeadMap:
     """7:1 global map: n FA groups (group 0) in n evenly spaced layers, ending at the last layer."""
@@ -54,7 +61,7 @@ def hydrahead_map(cfg) -> HeadMap:
 
 
 def filled_cache(model, context: int, capacity: int, seed: int):
-    """A decode cache of ``capacity`` slots holding ``context`` random entries (random GDN / conv states)."""
+    """A decode cache of ``capacity`` slots holding ``context`` random entries (random GDN / conv / window states)."""
     cache = model.init_cache(1, capacity)
     key = jax.random.key(seed)
     layers = []
@@ -65,7 +72,7 @@ def filled_cache(model, context: int, capacity: int, seed: int):
             if name in ("k", "v"):
                 vals = jax.random.normal(sub, x.shape[:2] + (context,) + x.shape[3:], x.dtype)
                 new[name] = x.at[:, :, :context].set(vals)
-            else:  # gdn_state / conv_state: constant size, any finite value
+            else:  # gdn_state / conv_state / win_k / win_v: constant size, any finite value
                 new[name] = (0.1 * jax.random.normal(sub, x.shape, jnp.float32)).astype(x.dtype)
         layers.append(new)
     return {"index": jnp.asarray(context, jnp.int32), "layers": tuple(layers)}
@@ -87,7 +94,8 @@ def main(argv=None):
     hc = HybridConfig(attention_implementation="xla", gdn_implementation="xla")
     models = {
         "teacher": Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla"),
-        "HydraHead 7:1": build_model(cfg, head_map, hc, nnx.Rngs(0)),
+        GDN: build_model(cfg, head_map, hc, nnx.Rngs(0)),
+        STREAMING: build_model(cfg, head_map, hc.replace(la_window=64, la_sinks=4, fusion_init="fit"), nnx.Rngs(0)),
     }
     split = {name: nnx.split(m) for name, m in models.items()}
     print(
@@ -118,46 +126,31 @@ def main(argv=None):
         del caches
         med = {name: statistics.median(s) for name, s in samples.items()}
         per_token[ctx] = med
-        t_t, t_h = med["teacher"], med["HydraHead 7:1"]
-        (a_t, r_t), (a_h, r_h) = mem["teacher"], mem["HydraHead 7:1"]
-        rows.append(
-            [
-                ctx,
-                C.fmt_s(t_t),
-                C.fmt_s(t_h),
-                C.fmt_ratio(t_t / t_h),
-                C.fmt_bytes(a_t),
-                C.fmt_bytes(r_t),
-                C.fmt_bytes(a_h),
-                C.fmt_bytes(r_h),
-                C.fmt_ratio(a_t / a_h),
-            ]
-        )
+        row = [ctx, C.fmt_s(med["teacher"])]
+        for name in (GDN, STREAMING):
+            row += [C.fmt_s(med[name]), C.fmt_ratio(med["teacher"] / med[name])]
+        for name in models:
+            row += [C.fmt_bytes(b) for b in mem[name]]
+        row += [C.fmt_ratio(mem["teacher"][0] / mem[name][0]) for name in (GDN, STREAMING)]
+        rows.append(row)
         print(
-            f"  context {ctx}: teacher {C.fmt_s(t_t)}/token, HydraHead {C.fmt_s(t_h)}/token "
-            f"({t_t / t_h:.2f}x); cache {C.fmt_bytes(a_t)} vs {C.fmt_bytes(a_h)}",
+            f"  context {ctx}: teacher {C.fmt_s(med['teacher'])}/token, HydraHead {C.fmt_s(med[GDN])}/token "
+            f"({med['teacher'] / med[GDN]:.2f}x), streaming {C.fmt_s(med[STREAMING])}/token "
+            f"({med['teacher'] / med[STREAMING]:.2f}x); cache {C.fmt_bytes(mem['teacher'][0])} vs "
+            f"{C.fmt_bytes(mem[GDN][0])} vs {C.fmt_bytes(mem[STREAMING][0])}",
             flush=True,
         )
 
-    table = C.markdown_table(
-        [
-            "context",
-            "teacher s/token",
-            "HydraHead 7:1 s/token",
-            "speed-up",
-            "teacher cache (cache_bytes)",
-            "teacher cache (pytree)",
-            "HydraHead cache (cache_bytes)",
-            "HydraHead cache (pytree)",
-            "cache ratio",
-        ],
-        rows,
-    )
+    header = ["context", "teacher s/token", f"{GDN} s/token", "speed-up", f"{STREAMING} s/token", "speed-up"]
+    for name in models:
+        header += [f"{name} cache (cache_bytes)", f"{name} cache (pytree)"]
+    header += [f"cache ratio, {GDN}", f"cache ratio, {STREAMING}"]
+    table = C.markdown_table(header, rows)
     top = max(args.contexts)
     goal = (
         C.goal_line(
             f"decode time per token at {top} context, teacher / HydraHead 7:1",
-            per_token[top]["teacher"] / per_token[top]["HydraHead 7:1"],
+            per_token[top]["teacher"] / per_token[top][GDN],
             3,
             why_missed="per-token cost also reads all ~135M parameters (0.5 GB fp32) for both models; "
             "only the KV-cache reads shrink",
@@ -165,11 +158,15 @@ def main(argv=None):
         if top >= 32768
         else f"decode time per token at 32K context, teacher / HydraHead 7:1: not measured (largest context: {top})"
     )
-    body = table + "\n\n- " + goal + "\n"
+    streaming = f"decode time per token at {top} context, teacher / {STREAMING}: " + C.fmt_ratio(
+        per_token[top]["teacher"] / per_token[top][STREAMING]
+    )
+    body = table + "\n\n- " + goal + "\n- " + streaming + "\n"
     settings = (
         f"{cfg.name}, random weights, batch 1, fp32 params and cache, {args.steps} timed tokens per context "
         "(median, interleaved, 2 warm-up), cache pre-filled with random values; HydraHead: 7:1 global map, "
-        f"{head_map.num_fa_groups()} FA groups"
+        f"{head_map.num_fa_groups()} FA groups; the streaming student the same map with 4 sinks + 64 recent tokens "
+        "per LA head"
     )
     C.append_results(
         "Decode: per-token latency and cache vs context (bench_decode.py)",
@@ -178,6 +175,7 @@ def main(argv=None):
         record=not args.no_record,
     )
     print(goal)
+    print(streaming)
     return per_token
 
 
