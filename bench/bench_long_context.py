@@ -1,12 +1,14 @@
-"""Long context: prefill and decode cost at 8K / 32K / 128K tokens, teacher vs HydraHead 7:1 (SmolLM2-135M shapes),
-and the longest context each fits in a memory budget (24 GiB by default).
+"""Long context: prefill and decode cost at 8K / 32K / 128K tokens, teacher vs HydraHead 7:1 with pure Gated DeltaNet
+LA heads and with streaming LA heads (`make demo`'s student) (SmolLM2-135M shapes), and the longest context each
+fits in a memory budget (24 GiB by default).
 
     python bench/bench_long_context.py                                   # 8K, 32K, 128K; times what is cheap
     python bench/bench_long_context.py --time-prefill-max 32768 --time-decode-max 131072   # a quiet, big box
     python bench/bench_long_context.py --quick                           # smoke run (2 layers, small contexts)
 
 Models: the shapes of bench_decode.py (SmolLM2-135M: 30 layers, d 576, 9 q / 3 kv heads, head_dim 64, vocab 49,152)
-with random weights, and the HydraHead student with bench_decode's 7:1 global head map (11 FA groups of 90). The
+with random weights, and the HydraHead students with bench_decode's 7:1 global head map (11 FA groups of 90; the
+streaming one adds to each LA head its teacher head's softmax over 4 sinks and the last 64 tokens). The
 executables are the evaluation runner's (``hydrahead_jax.evaluation.runner``): a prefill that fills the decode cache
 and projects only the last position, and a one-token decode step with the cache donated.
 
@@ -40,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_attention import SHAPES  # noqa: E402
-from bench_decode import filled_cache, hydrahead_map  # noqa: E402
+from bench_decode import GDN, STREAMING, filled_cache, hydrahead_map  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hydrahead_jax.evaluation.runner import _decode, _prefill, available_memory_bytes, compiled_bytes  # noqa: E402
@@ -103,9 +105,11 @@ def main(argv=None):
 
     head_map = hydrahead_map(cfg)
     hc = HybridConfig(attention_implementation="xla", gdn_implementation="xla")
+    streaming = hc.replace(la_window=64, la_sinks=4, fusion_init="fit")
     builders = {
         "teacher": lambda: Transformer(cfg, rngs=nnx.Rngs(0), attention_impl="xla"),
-        "HydraHead 7:1": lambda: build_model(cfg, head_map, hc, nnx.Rngs(0)),
+        GDN: lambda: build_model(cfg, head_map, hc, nnx.Rngs(0)),
+        STREAMING: lambda: build_model(cfg, head_map, streaming, nnx.Rngs(0)),
     }
     abstract_models = {name: nnx.eval_shape(b) for name, b in builders.items()}
     split = {name: nnx.split(m) for name, m in abstract_models.items()}
@@ -149,7 +153,7 @@ def main(argv=None):
                 token = jnp.zeros((1,), jnp.int32)
                 samples = {n: [] for n in models}
                 for step in range(2 + args.steps):
-                    for n, (gd, st) in models.items():  # interleaved: teacher token, HydraHead token, …
+                    for n, (gd, st) in models.items():  # interleaved: a token of each model in turn
                         t0 = time.perf_counter()
                         logits, caches[n] = _decode(gd, st, token, caches[n])
                         jax.block_until_ready(logits)
@@ -174,28 +178,33 @@ def main(argv=None):
 
 
 def report(cfg, head_map, args, results, longest, budget, free, free_source):
-    names = list(results)
+    teacher = results["teacher"]
     rows = []
     for ctx in args.contexts:
-        t, h = results[names[0]][ctx], results[names[1]][ctx]
-        pair = (t, h)  # teacher, HydraHead: each measure side by side
-        memory = [C.fmt_bytes(r[k]) for k in ("prefill_bytes", "decode_bytes", "cache_bytes") for r in pair]
-        times = [C.fmt_s(r.get(k)) for k in ("prefill_s", "decode_s_per_token") for r in pair]
-        rows.append([ctx, *memory, C.fmt_ratio(t["cache_bytes"] / h["cache_bytes"]), *times])
+        t = teacher[ctx]
+        for name, by_ctx in results.items():
+            r = by_ctx[ctx]
+            memory = [C.fmt_bytes(r[k]) for k in ("prefill_bytes", "decode_bytes", "cache_bytes")]
+            ratios = [
+                C.fmt_ratio(t[k] / r[k]) if r.get(k) and t.get(k) else "—"
+                for k in ("cache_bytes", "prefill_s", "decode_s_per_token")
+            ]
+            rows.append(
+                [ctx, name, *memory, ratios[0], C.fmt_s(r.get("prefill_s")), ratios[1]]
+                + [C.fmt_s(r.get("decode_s_per_token")), ratios[2]]
+            )
     table = C.markdown_table(
         [
             "context",
-            "teacher prefill mem",
-            "HydraHead prefill mem",
-            "teacher decode mem",
-            "HydraHead decode mem",
-            "teacher cache",
-            "HydraHead cache",
-            "cache ratio",
-            "teacher prefill",
-            "HydraHead prefill",
-            "teacher s/token",
-            "HydraHead s/token",
+            "model",
+            "prefill mem",
+            "decode mem",
+            "cache",
+            "cache: teacher / this",
+            "prefill",
+            "prefill: teacher / this",
+            "s/token",
+            "decode: teacher / this",
         ],
         rows,
     )
@@ -218,7 +227,8 @@ def report(cfg, head_map, args, results, longest, budget, free, free_source):
     )
     settings = (
         f"{cfg.name}, random weights, batch 1, fp32 params and cache, attention and GDN 'xla'; HydraHead 7:1 global "
-        f"map, {head_map.num_fa_groups()} FA groups; {args.steps} timed decode tokens (median, interleaved, 2 warm-up)"
+        f"map, {head_map.num_fa_groups()} FA groups (streaming: 4 sinks + 64 recent tokens per LA head); "
+        f"{args.steps} timed decode tokens (median, interleaved, 2 warm-up)"
     )
     body = "\n".join(lines) + "\n"
     if args.no_record:

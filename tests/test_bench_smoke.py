@@ -421,3 +421,28 @@ def test_gated_delta_peer_calls_on_cpu(tmp_path):
     unnormalised = lambda *a, **kw: rule(*a, **{**kw, "use_qk_l2norm_in_kernel": False})
     assert not gd.check_fla_agreement(report, unnormalised, case, device="cpu")
     assert "DISAGREES" in report.notes[-1]
+
+
+def test_long_context_quick(capsys):
+    import bench_long_context
+    from bench_decode import GDN, STREAMING
+
+    results, longest = bench_long_context.main(["--quick"])
+    rows = _table_rows(capsys.readouterr().out, "context")
+    assert [(r[0], r[1]) for r in rows] == [(c, m) for c in ("512", "1024") for m in ("teacher", GDN, STREAMING)]
+    teacher, gdn, streaming = results["teacher"], results[GDN], results[STREAMING]
+    # The quick model: 2 layers x 3 KV groups of head_dim 64, f32; the 7:1 map keeps 1 group FA, so 5 LA groups,
+    # whose streaming window holds keys and values for 4 sinks + 64 recent tokens: 2 * 68 * 5 * 64 * 4 bytes more
+    # than the pure GDN student's cache, whatever the context.
+    for ctx in (512, 1024):
+        assert streaming[ctx]["cache_bytes"] - gdn[ctx]["cache_bytes"] == 2 * 68 * 5 * 64 * 4
+        assert teacher[ctx]["cache_bytes"] == 2 * 2 * 3 * ctx * 64 * 4  # k and v, 2 layers, 3 groups
+        assert gdn[ctx]["cache_bytes"] < streaming[ctx]["cache_bytes"] < teacher[ctx]["cache_bytes"]
+        assert all(r[ctx]["decode_s_per_token"] > 0 and r[ctx]["prefill_s"] > 0 for r in results.values())
+    # Only the FA groups' cache grows: the students' ratio to the teacher rises with the context.
+    for student in (gdn, streaming):
+        ratios = [teacher[c]["cache_bytes"] / student[c]["cache_bytes"] for c in (512, 1024)]
+        assert 1 < ratios[0] < ratios[1], ratios
+    # The longest context found fits the budget (256 MiB in --quick) by its own compile.
+    for r in longest.values():
+        assert r["tokens"] and r["need_bytes"] <= 256 * 2**20
