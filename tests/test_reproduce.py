@@ -84,3 +84,39 @@ def test_machine_time_by_hand():
         "total_hours": round(3360 / 3600, 2),
         "unfinished_estimate_hours": round((330 + 900 + 1320) / 3600, 2),
     }
+
+
+def _record(recall: float, kl: float) -> dict:
+    return {"mqar_by_pairs": {"64": {"recall": recall}}, "kl": kl}
+
+
+def test_convergence_by_hand():
+    study = reproduce.Study()  # convergence at x2 on 3 seeds; H1's margins 0.03 (recall) and 0.05 (KL)
+    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
+    records = {
+        (head, 0, 1.0): _record(0.90, 0.10),
+        (layer, 0, 1.0): _record(0.10, 0.20),
+        (head, 1, 1.0): _record(0.80, 0.12),
+        (layer, 1, 1.0): _record(0.20, 0.22),
+        (head, 0, 2.0): _record(0.95, 0.10),
+        (layer, 0, 2.0): _record(0.10, 0.20),
+        (head, 1, 2.0): _record(0.85, 0.12),
+        (layer, 1, 2.0): _record(0.20, 0.22),
+        (head, 2, 1.0): _record(0.0, 9.0),  # seed 2 has no x2 runs: left out of both means
+        (layer, 2, 1.0): _record(0.0, 9.0),
+    }
+    conv = reproduce.convergence(study, records, 64)
+    assert conv["seeds"] == [0, 1] and conv["converged"] is False
+    recall, kl = conv["metrics"]["mqar64"], conv["metrics"]["kl"]
+    # recall differences: seed 0 0.80 -> 0.85, seed 1 0.60 -> 0.65; means 0.70 -> 0.75, moved 0.05 > 0.015
+    assert recall["per_seed"]["0"] == pytest.approx({"x1": 0.80, "x2": 0.85})
+    assert recall["per_seed"]["1"] == pytest.approx({"x1": 0.60, "x2": 0.65})
+    assert recall["differences"] == pytest.approx({"x1": 0.70, "x2": 0.75})
+    assert recall["moved"] == pytest.approx(0.05) and recall["limit"] == pytest.approx(0.015)
+    # KL differences -0.10 at both budgets: moved 0 < 0.025
+    assert kl["differences"] == pytest.approx({"x1": -0.10, "x2": -0.10}) and kl["moved"] == pytest.approx(0.0)
+    # recall moving by 0.01 on each seed is within half the margin: converged
+    records[(head, 0, 2.0)] = _record(0.91, 0.10)
+    records[(head, 1, 2.0)] = _record(0.81, 0.12)
+    assert reproduce.convergence(study, records, 64)["converged"] is True
+    assert reproduce.convergence(study, {}, 64)["converged"] is None

@@ -833,9 +833,10 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
 
 
 def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
-    """The primary differences (head_7to1 − layer_3to1 per metric, mean over the seeds that finished both
-    budgets) at the base budget and at ``convergence_scale`` x it; converged when every difference moves by less
-    than half its claim margin (None until a seed has finished both budgets)."""
+    """The primary differences d_b = mean over seeds s of (head_7to1 − layer_3to1)(s, b) per metric, over the seeds
+    that finished both budgets b = 1 and b = ``convergence_scale``; converged when every |d_scale − d_1| is less
+    than half its claim margin (None until a seed has finished both budgets). Each seed's pair of differences is
+    kept beside the means (``per_seed``)."""
     h1, scale = claims_mod.CLAIMS[0], study.convergence_scale
     budgets = (1.0, scale)
     seeds = [
@@ -850,18 +851,20 @@ def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
     for comp in h1.components:
         key, _ = claims_mod.METRICS[comp.metric]
 
-        def difference(budget, key=key):
-            values = [
-                summary(records[(h1.arm_a, s, budget)], pairs)[key]
-                - summary(records[(h1.arm_b, s, budget)], pairs)[key]
-                for s in seeds
-            ]
-            return float(np.mean(values))
+        def difference(seed, budget, key=key):
+            a, b = (summary(records[(arm, seed, budget)], pairs)[key] for arm in (h1.arm_a, h1.arm_b))
+            return float(a - b)
 
-        diffs = {f"x{b:g}": difference(b) for b in budgets}
+        per_seed = {str(s): {f"x{b:g}": difference(s, b) for b in budgets} for s in seeds}
+        diffs = {f"x{b:g}": float(np.mean([d[f"x{b:g}"] for d in per_seed.values()])) for b in budgets}
         moved = abs(diffs[f"x{scale:g}"] - diffs["x1"])
         verdicts.append(moved < comp.margin / 2)
-        out["metrics"][comp.metric] = {"differences": diffs, "moved": moved, "limit": comp.margin / 2}
+        out["metrics"][comp.metric] = {
+            "differences": diffs,
+            "per_seed": per_seed,
+            "moved": moved,
+            "limit": comp.margin / 2,
+        }
     out["converged"] = all(verdicts)
     return out
 
@@ -989,11 +992,26 @@ def render(results: dict, plots: list[str], study: Study) -> str:
             f"{_fmt(niah[0])} ± {_fmt(niah[1])} | {row['kv_bytes_per_token']} | {row['fa_placement']} |"
         )
     conv = results["convergence"]
-    lines += ["", f"## Convergence (x{conv['scale']:g} budget)", "", f"converged: {conv['converged']}"]
+    h1, scale = claims_mod.CLAIMS[0], f"x{conv['scale']:g}"
+    lines += [
+        "",
+        f"## Convergence ({scale} budget)",
+        "",
+        f"The primary difference ({h1.arm_a} − {h1.arm_b}) at the base budget → at {scale}, per seed and the mean over "
+        "the seeds that finished both; the budget is converged when every mean moves by less than half its claim's "
+        f"margin. Converged: **{conv['converged']}**.",
+        "",
+    ]
+    seeds = [str(s) for s in conv["seeds"]]
+    lines += [
+        "| metric | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | moved | limit | within |",
+        "|---|" + "---|" * (len(seeds) + 4),
+    ]
     for metric, m in conv["metrics"].items():
-        lines.append(
-            f"- {metric}: differences {m['differences']}, moved {_fmt(m.get('moved'), 4)} (limit {m['limit']})"
-        )
+        cells = [f"{_fmt(m['per_seed'][s]['x1'], 4)} → {_fmt(m['per_seed'][s][scale], 4)}" for s in seeds]
+        mean = f"{_fmt(m['differences']['x1'], 4)} → {_fmt(m['differences'][scale], 4)}"
+        within = "yes" if m["moved"] < m["limit"] else "no"
+        lines.append(f"| {metric} | {' | '.join(cells)} | {mean} | {_fmt(m['moved'], 4)} | {m['limit']:g} | {within} |")
     mt = results["machine_time"]
     lines += [
         "",
