@@ -558,3 +558,65 @@ def test_report_pools_answer_nll_over_depths_with_a_bootstrap_interval():
     mean, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+)–([\d.]+)\]", cell_a).groups())
     assert (length, mean, cell_b) == ("512", 2.0, "–") and 1.0 <= lo < 2.0 < hi <= 3.0
     assert answer_nll_rows(samples, "passkey", ["a", "b"]) == []
+
+
+def _without_timings(x):
+    """A results.json tree without what differs between two runs of the same evaluation: times and environment."""
+    if isinstance(x, dict):
+        return {
+            k: _without_timings(v)
+            for k, v in x.items()
+            if k not in ("seconds", "environment") and not k.endswith("_s") and not k.endswith("_s_per_token")
+        }
+    if isinstance(x, list):
+        return [_without_timings(v) for v in x]
+    return x
+
+
+def test_an_evaluation_killed_part_way_resumes_where_it_stopped(world, tmp_path, monkeypatch, capsys):
+    from hydrahead_jax.evaluation import journal as journal_mod
+
+    root = world["root"]
+    models = ["--model", f"teacher:{world['teacher_dir']}", "--model", f"student={world['student_dir']}"]
+    inputs = ["--haystack", str(root / "haystack.txt"), "--text", f"a={root / 'a.txt'}"]
+    suite = "--suite niah,ppl,agreement --lengths 256,16k --depths 0,1 --memory-limit 10MB --no-progress".split()
+    args = [*models, *inputs, *suite, "--samples", "2"]
+    assert cli.main([*args, "--out", str(tmp_path / "whole")]) == 0
+
+    # The same evaluation killed after its 7th unit (before that unit's journal line is written), and the journal's
+    # last line cut short as a kill mid-write leaves it.
+    calls = {"n": 0}
+    append = journal_mod.Journal.append
+
+    def killed_after_six(self, entry):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt
+        append(self, entry)
+
+    monkeypatch.setattr(journal_mod.Journal, "append", killed_after_six)
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*args, "--out", str(out)])
+    monkeypatch.setattr(journal_mod.Journal, "append", append)
+    path = out / journal_mod.NAME
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 6 and not (out / "results.json").exists()  # the header and six units
+    with open(path, "a") as f:
+        f.write('{"key": "student|niah||256|1|0.0", "mod')
+
+    capsys.readouterr()
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert "resuming: 6 of" in capsys.readouterr().err
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+    resumed = json.loads((out / "results.json").read_text())
+    assert _without_timings(resumed) == _without_timings(whole)
+    keys = [json.loads(line)["key"] for line in path.read_text().splitlines()[1:]]
+    assert len(keys) == len(set(keys))  # every unit ran once: the six replayed ones were not run again
+
+    # Another setting with the same --out: refused before any work, naming the difference; the journal is kept.
+    before = path.read_text()
+    assert cli.main([*models, *inputs, *suite, "--samples", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "settings.samples: 2 there, 3 now" in err and "another --out" in err
+    assert path.read_text() == before

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from hydrahead_jax.evaluation.journal import JournalError
 from hydrahead_jax.evaluation.models import ModelSpecError, load_model, load_models
 from hydrahead_jax.evaluation.report import write_outputs
 from hydrahead_jax.evaluation.suite import Settings, Suite, SuiteError, parse_lengths, parse_suite
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         if settings.corpus is None:  # the validation split of the corpus the (first) exported model trained on
             settings.corpus = next((m.info["corpus"] for m in models if m.info.get("corpus")), None)
         suite = Suite(models, settings, teacher=teacher).prepare()
-    except (SuiteError, ModelSpecError) as err:
+        suite.resume(suite.journal(out))
+    except (SuiteError, ModelSpecError, JournalError) as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2
     suite.run(progress=not args.no_progress)

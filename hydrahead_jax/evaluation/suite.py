@@ -6,6 +6,10 @@ and decode time, compiled memory); ``all`` = every one of them, ``demo`` = a sho
 ``ruler`` = the RULER tasks (``ruler:niah_single_1`` … ``ruler:fwe``, see ``evaluation.ruler``), at
 ``ruler_lengths`` with ``ruler_samples`` prompts per task and length.
 
+With a journal (``suite.resume(suite.journal(out))``, as eval.py does) each finished unit is written to
+``<out>/progress.jsonl`` (``evaluation.journal``): a rerun of the same command after a kill replays what was done
+and runs the rest.
+
 A unit that does not fit in memory (``runner.OutOfMemory``, checked from the compiled executable before
 anything is allocated, or an allocation error) or whose prompt cannot be built at that length is recorded in
 ``skipped`` with the reason; the other units of the same (model, task, length) are skipped with it and the
@@ -15,9 +19,11 @@ suite goes on.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,6 +31,7 @@ from tqdm.auto import tqdm
 
 from hydrahead_jax.evaluation import ruler, tasks
 from hydrahead_jax.evaluation.inputs import DEPTH_GRID_TASKS, RETRIEVAL_TASKS, Inputs, sample_depths, tokenizer_key
+from hydrahead_jax.evaluation.journal import Journal, params_digest
 from hydrahead_jax.evaluation.models import EvalModel
 from hydrahead_jax.evaluation.runner import OutOfMemory, Runner
 
@@ -129,13 +136,19 @@ class Settings:
 
 @dataclasses.dataclass
 class Unit:
-    """One step of the progress bar; units sharing (model, task, source, length) are skipped together."""
+    """One step of the progress bar; units sharing (model, task, source, length) are skipped together. ``index``
+    tells the units of a cell apart (sample, depth or window) in the journal."""
 
     model: EvalModel
     task: str
     length: int
     run: Callable[[], None]
     source: str = ""
+    index: tuple = ()
+
+    @property
+    def key(self) -> str:
+        return "|".join(str(x) for x in (*self.cell, *self.index))
 
     @property
     def cell(self) -> tuple:
@@ -188,6 +201,8 @@ class Suite:
         self.seconds: dict = defaultdict(float)
         self._skip_keys: set = set()
         self._teacher_hidden: dict = {}
+        self._journal: Journal | None = None
+        self._done: set = set()  # keys of the units replayed from the journal
 
     # -- planning --------------------------------------------------------------------------------------
 
@@ -201,7 +216,7 @@ class Suite:
                 if task in ruler.SUITE_NAMES:
                     for length in s.ruler_lengths:
                         for i in range(s.ruler_samples):
-                            units.append(Unit(m, task, length, self._ruler_unit(m, task, length, i)))
+                            units.append(Unit(m, task, length, self._ruler_unit(m, task, length, i), index=(i,)))
                 elif task in RETRIEVAL_TASKS:
                     for length in s.retrieval_lengths:
                         cells = (
@@ -210,12 +225,14 @@ class Suite:
                             else list(zip(sample_depths(s.samples), range(s.samples)))
                         )
                         for depth, i in cells:
-                            units.append(Unit(m, task, length, self._retrieval_unit(m, task, length, i, depth)))
+                            unit = self._retrieval_unit(m, task, length, i, depth)
+                            units.append(Unit(m, task, length, unit, index=(i, depth)))
                 elif task == first_text:
                     for source in self.inputs.source_names():
                         for length in s.ppl_lengths:
                             for w in range(s.ppl_windows):
-                                units.append(Unit(m, "text", length, self._text_unit(m, source, length, w), source))
+                                unit = self._text_unit(m, source, length, w)
+                                units.append(Unit(m, "text", length, unit, source, index=(w,)))
                 elif task == "efficiency":
                     for length in s.efficiency_lengths:
                         units.append(Unit(m, task, length, self._efficiency_unit(m, length)))
@@ -240,14 +257,40 @@ class Suite:
                 ) from err
         return self
 
+    def journal(self, out: str | Path) -> Journal:
+        """The journal of this suite's settings and models in ``out`` (their parameters digested once)."""
+        models = [*self.models, *([self.teacher] if self.teacher and self.teacher not in self.models else [])]
+        header = {
+            "settings": self.settings.to_dict(),
+            "models": [{"name": m.name, "spec": m.spec, "params": params_digest(m.model)} for m in models],
+        }
+        return Journal(out, header)
+
+    def resume(self, journal: Journal) -> int:
+        """Replay the units ``journal`` holds as finished (raises JournalError for another run's journal, before
+        any work); they are skipped by ``run``, which journals every unit it finishes. Returns how many."""
+        entries = journal.load()
+        for e in entries:
+            self._replay(e)
+        self._journal = journal
+        return len(entries)
+
     def run(self, progress: bool = True) -> Suite:
         self.prepare()
         units = self.plan()
+        if self._journal is not None:
+            self._journal.start()
+        if self._done:
+            print(
+                f"resuming: {len(self._done)} of {len(units)} units done earlier ({self._journal.path})",
+                file=sys.stderr,
+            )
         bar = tqdm(units, desc="eval", unit="unit", disable=not progress, dynamic_ncols=True)
         for unit in bar:
             bar.set_postfix_str(f"{unit.model.name} {unit.task} {unit.source} {unit.length}".replace("  ", " "))
-            if unit.cell in self._skip_keys:
+            if unit.cell in self._skip_keys or unit.key in self._done:
                 continue
+            before = self._sizes(unit)
             start = time.perf_counter()
             try:
                 unit.run()
@@ -263,8 +306,53 @@ class Suite:
                     }
                 )
             finally:
-                self.seconds[(unit.model.name, unit.task)] += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.seconds[(unit.model.name, unit.task)] += seconds
+            if self._journal is not None:
+                self._journal.append(self._entry(unit, before, seconds))
         return self
+
+    # -- the journal's entries: what one unit added -----------------------------------------------------
+
+    _RECORD_LISTS = ("samples", "ruler_samples", "efficiency", "skipped", "notes")
+    _TEXT_DTYPES = {"window": np.int64, "nll": np.float64, "top1": bool, "kl": np.float64}
+
+    def _sizes(self, unit: Unit) -> dict:
+        sizes = {name: len(getattr(self, name)) for name in self._RECORD_LISTS}
+        if unit.task == "text":
+            cell = self.text_parts[(unit.model.name, unit.source, unit.length)]
+            sizes["text"] = {k: len(cell[k]) for k in self._TEXT_DTYPES}
+        return sizes
+
+    def _entry(self, unit: Unit, before: dict, seconds: float) -> dict:
+        entry = {"key": unit.key, "model": unit.model.name, "task": unit.task, "seconds": seconds}
+        for name in self._RECORD_LISTS:
+            added = getattr(self, name)[before[name] :]
+            if added:
+                entry[name] = added
+        if "text" in before:
+            cell = self.text_parts[(unit.model.name, unit.source, unit.length)]
+            entry["text"] = {
+                "cell": [unit.model.name, unit.source, unit.length],
+                **{k: cell[k][before["text"][k] :] for k in self._TEXT_DTYPES},
+            }
+        if unit.cell in self._skip_keys:
+            entry["skip_cell"] = list(unit.cell)
+        return entry
+
+    def _replay(self, e: dict) -> None:
+        for name in self._RECORD_LISTS:
+            getattr(self, name).extend(e.get(name, []))
+        if "text" in e:
+            model, source, length = e["text"]["cell"]
+            cell = self.text_parts[(model, source, length)]
+            for k, dtype in self._TEXT_DTYPES.items():
+                values = e["text"][k]
+                cell[k].extend(values if k == "window" else [np.asarray(v, dtype) for v in values])
+        if "skip_cell" in e:
+            self._skip_keys.add(tuple(e["skip_cell"]))
+        self.seconds[(e["model"], e["task"])] += e["seconds"]
+        self._done.add(e["key"])
 
     # -- units -----------------------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""The evaluation's journal: every finished unit of the suite, so that a run stopped part-way (a kill, a preempted
+job, a full disk) goes on where it stopped when the same command is run again.
+
+``<out>/progress.jsonl`` holds one JSON line per line of work: first a header naming the run (the suite settings
+and, per model, its name, spec and a digest of its parameters), then one entry per finished unit with what the
+unit added to the suite's records. A rerun with the same ``--out`` replays the entries and runs only the units
+that are missing; a journal of other settings or other models is refused before any work, naming what differs,
+and never overwritten. Only a last line cut short by the kill is dropped (that unit runs again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+NAME = "progress.jsonl"
+VERSION = 1
+
+
+class JournalError(ValueError):
+    """A journal that belongs to another run or cannot be read; the message names the fix."""
+
+
+def params_digest(model: nnx.Module) -> str:
+    """A digest of a model's parameters: per leaf its path, shape, dtype and the float32 sum and sum of squares of
+    its values (two reductions on the device, so a multi-GB model is not copied to the host). Equal for the same
+    weights loaded again on the same backend; a retrained or different checkpoint changes it."""
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+
+    def moments(xs):
+        return [jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))]) for x in xs]
+
+    sums = jax.jit(moments)([x for _, x in leaves])
+    h = hashlib.sha256()
+    for (path, x), s in zip(leaves, sums):
+        h.update(f"{jax.tree_util.keystr(path)}|{x.shape}|{x.dtype}|".encode())
+        h.update(np.asarray(s, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def to_json(x: Any) -> Any:
+    """JSON-safe copy of a unit's records (numpy scalars and arrays to Python values; floats round-trip exactly)."""
+    if isinstance(x, dict):
+        return {k: to_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_json(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _flat(x: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): x}
+
+
+class Journal:
+    """``<out>/progress.jsonl`` of the run named by ``header`` (JSON-safe)."""
+
+    def __init__(self, out: str | Path, header: dict):
+        self.path = Path(out) / NAME
+        self.header = to_json({"journal": VERSION, **header})
+
+    def load(self) -> list[dict]:
+        """The finished units' entries of this run (none for a new run). Raises JournalError for a journal of
+        another run; a last line cut short is dropped from the file."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text().splitlines(keepends=True)
+        entries, good = [], 0
+        for i, line in enumerate(lines):
+            try:
+                entries.append(json.loads(line))
+                good += len(line)
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise JournalError(
+                        f"{self.path}: line {i + 1} is not JSON, yet lines follow it (not a cut-short last line). "
+                        f"Fix: another --out, or move {self.path} away to evaluate from the start."
+                    ) from None
+        if not entries:
+            return []
+        theirs = entries[0]
+        if theirs != self.header:
+            a, b = _flat(theirs), _flat(self.header)
+            diff = [
+                f"{k}: {a.get(k, '(none)')!r} there, {b.get(k, '(none)')!r} now"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
+            raise JournalError(
+                f"{self.path} holds an evaluation of other settings or models ({'; '.join(diff[:4])}"
+                f"{'; …' if len(diff) > 4 else ''}). Fix: run the command that started it to finish it, pass another "
+                f"--out, or move {self.path} away to evaluate from the start."
+            )
+        if good < sum(len(line) for line in lines):  # drop the cut-short line, so appends start on a fresh line
+            with open(self.path, "r+") as f:
+                f.truncate(good)
+        return entries[1:]
+
+    def start(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(self.header)
+
+    def append(self, entry: dict) -> None:
+        self._write(to_json(entry))
+
+    def _write(self, obj: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(obj) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
