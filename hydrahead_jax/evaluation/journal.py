@@ -72,9 +72,13 @@ def _flat(x: Any, prefix: str = "") -> dict[str, Any]:
 class Journal:
     """``<out>/progress.jsonl`` of the run named by ``header`` (JSON-safe)."""
 
-    def __init__(self, out: str | Path, header: dict):
-        self.path = Path(out) / NAME
+    def __init__(self, out: str | Path, header: dict, *, per_run_folder: bool = False):
+        """``per_run_folder``: the journal goes to ``out/<digest of the header>/`` instead, so each run (settings and
+        models) has its own and another run never meets it (for a caller that reruns evaluations of changed
+        models itself, as the comparison does)."""
         self.header = to_json({"journal": VERSION, **header})
+        digest = hashlib.sha256(json.dumps(self.header, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(out) / (digest if per_run_folder else "") / NAME
 
     def load(self) -> list[dict]:
         """The finished units' entries of this run (none for a new run). Raises JournalError for a journal of

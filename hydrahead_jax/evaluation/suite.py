@@ -257,14 +257,14 @@ class Suite:
                 ) from err
         return self
 
-    def journal(self, out: str | Path) -> Journal:
+    def journal(self, out: str | Path, *, per_run_folder: bool = False) -> Journal:
         """The journal of this suite's settings and models in ``out`` (their parameters digested once)."""
         models = [*self.models, *([self.teacher] if self.teacher and self.teacher not in self.models else [])]
         header = {
             "settings": self.settings.to_dict(),
             "models": [{"name": m.name, "spec": m.spec, "params": params_digest(m.model)} for m in models],
         }
-        return Journal(out, header)
+        return Journal(out, header, per_run_folder=per_run_folder)
 
     def resume(self, journal: Journal) -> int:
         """Replay the units ``journal`` holds as finished (raises JournalError for another run's journal, before

@@ -429,11 +429,12 @@ def data_agreement(model, teacher, ids) -> dict[str, float]:
 
 
 def suite_metrics(
-    model, tokenizer, teacher, teacher_tokenizer, run: RunConfig, settings: EvalSettings, name: str, suites
+    model, tokenizer, teacher, teacher_tokenizer, run: RunConfig, settings: EvalSettings, name: str, suites, journal
 ):
     """The evaluation suite ``suites`` on one model (the teacher is the agreement reference), flattened to
     {"<task>@<length>": accuracy, "ppl/<source>", "kl/<source>", "top1/<source>"}, and a note (or None);
-    ({}, note) without a tokenizer."""
+    ({}, note) without a tokenizer. ``journal``: a folder for the suite's journal (a killed evaluation resumes
+    there, one journal per model and settings) or None."""
     if tokenizer is None or not suites:
         why = "eval.suite is empty" if not suites else "the teacher has no tokenizer (a random teacher)"
         return {}, f"evaluation suite {list(suites)} skipped: {why}; only the held-out data rows were evaluated"
@@ -464,7 +465,10 @@ def suite_metrics(
             corpus=corpus,
         ),
         teacher=reference,
-    ).run(progress=False)
+    )
+    if journal is not None:
+        suite.resume(suite.journal(journal, per_run_folder=True))
+    suite.run(progress=False)
     out = {}
     for rec in aggregate(suite):
         if rec["model"] != name:
@@ -486,14 +490,17 @@ def suite_metrics(
     return out, (f"suite cells skipped: {skipped}" if skipped else None)
 
 
-def evaluate(model, tokenizer, teacher, teacher_tokenizer, run, settings, ids, name, *, retrieval=True) -> dict:
+def evaluate(
+    model, tokenizer, teacher, teacher_tokenizer, run, settings, ids, name, *, retrieval=True, journal=None
+) -> dict:
     """Every number the comparison reports about one model (module doc); ``ids``: the held-out data rows.
-    ``retrieval=False`` (the student at initialisation): the suite's text tasks only (ppl, agreement)."""
+    ``retrieval=False`` (the student at initialisation): the suite's text tasks only (ppl, agreement).
+    ``journal``: where the suite journals its finished units (``suite_metrics``)."""
     from hydrahead_jax.evaluation.tasks import cache_sizes
 
     start = time.perf_counter()
     suites = [t for t in settings.suite if retrieval or t in ("ppl", "agreement")]
-    suite, note = suite_metrics(model, tokenizer, teacher, teacher_tokenizer, run, settings, name, suites)
+    suite, note = suite_metrics(model, tokenizer, teacher, teacher_tokenizer, run, settings, name, suites, journal)
     fa = model.fa_groups_per_layer
     return {
         "data": data_agreement(model, teacher, ids),
@@ -562,7 +569,8 @@ def _eval_final(models: _Models, variant: Variant, run: RunConfig, vdir: Path, s
 
     teacher, tokenizer = models.teacher(run)
     student, _ = load_hydrahead(vdir / "final")
-    return evaluate(student, tokenizer, teacher, tokenizer, run, settings, ids, variant.name)
+    journal = vdir / "eval_progress"
+    return evaluate(student, tokenizer, teacher, tokenizer, run, settings, ids, variant.name, journal=journal)
 
 
 def _fmt_seconds(s: float) -> str:
@@ -643,7 +651,9 @@ def _run_locked(
         print("[compare] evaluating the teacher (once, shared by every variant)", flush=True)
         teacher_eval = {
             "config_hash": teacher_hash,
-            **evaluate(teacher, tokenizer, teacher, tokenizer, base_run, settings, ids, "teacher"),
+            **evaluate(
+                teacher, tokenizer, teacher, tokenizer, base_run, settings, ids, "teacher", journal=teacher_file.parent
+            ),
         }
         _write_json(teacher_file, teacher_eval)
 
