@@ -620,3 +620,37 @@ def test_an_evaluation_killed_part_way_resumes_where_it_stopped(world, tmp_path,
     err = capsys.readouterr().err
     assert "settings.samples: 2 there, 3 now" in err and "another --out" in err
     assert path.read_text() == before
+
+
+def test_journal_lines_cut_by_a_kill_and_journals_of_other_runs(tmp_path):
+    from hydrahead_jax.evaluation.journal import NAME, Journal, JournalError
+
+    header = {"settings": {"samples": 2}, "models": [{"name": "m", "params": "abc"}]}
+    path = tmp_path / NAME
+    # a kill inside the header's write: nothing finished, the stub is dropped and a whole header written
+    path.write_text('{"journal": 1, "sett')
+    journal = Journal(tmp_path, header)
+    assert journal.load() == [] and path.read_bytes() == b""
+    journal.start()
+    journal.append({"key": "a", "n": np.float32(0.5), "arr": np.arange(2)})
+    # a kill just before a line's newline: the whole entry is kept and the newline restored
+    with open(path, "a") as f:
+        f.write('{"key": "b"}')
+    assert Journal(tmp_path, header).load() == [{"key": "a", "n": 0.5, "arr": [0, 1]}, {"key": "b"}]
+    Journal(tmp_path, header).append({"key": "c"})
+    assert [e["key"] for e in Journal(tmp_path, header).load()] == ["a", "b", "c"]
+    # another run's journal is refused, naming the difference, and left as it is
+    before = path.read_bytes()
+    other = {"settings": {"samples": 3}, "models": [{"name": "m", "params": "abc"}]}
+    with pytest.raises(JournalError, match="settings.samples: 2 there, 3 now"):
+        Journal(tmp_path, other).load()
+    assert path.read_bytes() == before
+    # a damaged line with lines after it is not a kill's cut: refused, nothing changed
+    path.write_bytes(before.replace(b'{"key": "b"}', b'{"key": "b'))
+    with pytest.raises(JournalError, match="line 3 is not JSON"):
+        Journal(tmp_path, header).load()
+    # per_run_folder: each header in its own folder
+    assert (
+        Journal(tmp_path, header, per_run_folder=True).path.parent
+        != Journal(tmp_path, other, per_run_folder=True).path.parent
+    )

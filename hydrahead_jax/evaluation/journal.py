@@ -82,26 +82,27 @@ class Journal:
 
     def load(self) -> list[dict]:
         """The finished units' entries of this run (none for a new run). Raises JournalError for a journal of
-        another run; a last line cut short is dropped from the file."""
+        another run; a last line cut short by a kill is dropped from the file (its unit runs again)."""
         if not self.path.exists():
             return []
-        lines = self.path.read_text().splitlines(keepends=True)
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
         entries, good = [], 0
         for i, line in enumerate(lines):
             try:
                 entries.append(json.loads(line))
-                good += len(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 if i < len(lines) - 1:
                     raise JournalError(
                         f"{self.path}: line {i + 1} is not JSON, yet lines follow it (not a cut-short last line). "
                         f"Fix: another --out, or move {self.path} away to evaluate from the start."
                     ) from None
-        if not entries:
-            return []
-        theirs = entries[0]
-        if theirs != self.header:
-            a, b = _flat(theirs), _flat(self.header)
+                break
+            good += len(line) + 1
+        if entries and entries[0] != self.header:
+            a, b = _flat(entries[0]), _flat(self.header)
             diff = [
                 f"{k}: {a.get(k, '(none)')!r} there, {b.get(k, '(none)')!r} now"
                 for k in sorted(set(a) | set(b))
@@ -112,9 +113,12 @@ class Journal:
                 f"{'; …' if len(diff) > 4 else ''}). Fix: run the command that started it to finish it, pass another "
                 f"--out, or move {self.path} away to evaluate from the start."
             )
-        if good < sum(len(line) for line in lines):  # drop the cut-short line, so appends start on a fresh line
-            with open(self.path, "r+") as f:
-                f.truncate(good)
+        if good != len(data):  # a cut-short last line dropped, or the newline after a whole one restored
+            with open(self.path, "r+b") as f:
+                f.truncate(min(good, len(data)))
+                if good > len(data):
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\n")
         return entries[1:]
 
     def start(self) -> None:
