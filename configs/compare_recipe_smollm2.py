@@ -3,6 +3,8 @@
     python -m hydrahead_jax.experiments.compare --config configs/compare_recipe_smollm2.py --workdir runs/recipe
     ... --only=recipe_base,fusion_la_scale          # a subset (one variant is ~15-20 CPU-minutes alone)
     ... --config.base.seed=1 --only=...             # the winners on a second data order
+    ... --config.eval.suite=ppl,agreement --config.eval.ppl_windows=8   # text only, 8 windows per source: report.md
+                                                    # gives KL / top-1 intervals and paired differences from the base
 
 Every variant starts from the `make demo` recipe as it was measured before these changes (configs/smollm2_hydrahead.py
 with fusion "both", the fitted fusion initialisation with offset μ, GDN dt spread by head index and β = 0.5, warm-up

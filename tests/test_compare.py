@@ -537,3 +537,27 @@ def test_report_tables_the_answer_nll_of_each_group_and_the_teacher():
     text = render_markdown(results, rows, [])
     assert "| variant | niah@512 |\n|---|---|\n| teacher | 0.05 |\n| r | 2.4 ± 0.283 |" in text
     assert "answer_nll" not in text.split("Answer NLL")[0]  # not a column of the accuracy table
+
+
+def test_report_tables_held_out_text_with_intervals_and_paired_differences():
+    """KL and top-1 per window ("windows:kl/news"): each variant's mean with its bootstrap interval over windows, and
+    its difference from the first variant paired window by window. Differences equal on every window leave no
+    spread: the interval is that difference itself, worked out by hand."""
+    base = {"kl/news": 2.0, "windows:kl/news": [1.0, 2.0, 3.0], "windows:top1/news": [0.25, 0.25, 0.25]}
+    better = {"kl/news": 1.5, "windows:kl/news": [0.5, 1.5, 2.5], "windows:top1/news": [0.5, 0.5, 0.5]}
+    runs = [
+        {"name": n, "group": n, "overrides": {}, "curve_source": "train", "final": {"data": {}, "suite": s}}
+        for n, s in (("base", base), ("better", better), ("one_window", {"kl/news": 1.0}))
+    ]
+    results = {"workdir": "w", "eval": {}, "teacher": {}, "variants": runs}
+    text = render_markdown(results, summary_rows(results), [])
+    table = text.split("## Held-out text with intervals")[1]
+    assert "| variant | kl/news | Δ kl/news | top1/news | Δ top1/news |" in table
+    assert (
+        "| better | 1.500 [" in table
+        and "| -0.500 [-0.500, -0.500] | 50.0 [50.0, 50.0] | +25.0 [+25.0, +25.0] |" in table
+    )
+    assert "| base | 2.000 [" in table and "| one_window | — | — | — | — |" in table
+    # the base's own interval over its three windows lies within their range and around their mean
+    lo, hi = (float(x) for x in table.split("| base | 2.000 [")[1].split("]")[0].split(", "))
+    assert 1.0 <= lo < 2.0 < hi <= 3.0

@@ -397,6 +397,8 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
     assert 0 < top1["value"] < 1 and kl["value"] > 0 and top1["positions"] == 512
     # two windows: a bootstrap interval over them (the two windows' means, test_bootstrap_interval_over_rows)
     assert top1["windows"] == kl["windows"] == 2
+    # the two windows' own means (256 positions each, so their mean is the pooled one), for paired comparisons
+    assert len(kl["window_values"]) == 2 and np.mean(kl["window_values"]) == pytest.approx(kl["value"], rel=1e-12)
     assert kl["ci95"][0] < kl["value"] < kl["ci95"][1] and top1["ci95"][0] <= top1["value"] <= top1["ci95"][1]
 
     # perplexity against numpy over the same windows (the first two 256-token windows of the text)

@@ -97,9 +97,10 @@ def aggregate(suite) -> list[dict]:
             top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
             # bootstrap over windows (rows), each weighted by its token count
             sizes = [len(x) for x in parts["top1"]]
-            row_ci = {}
+            row_ci, row_means = {}, {}
             for name in ("top1", "kl"):
-                ci = bootstrap_interval([float(np.mean(x)) for x in parts[name]], sizes)
+                row_means[name] = [float(np.mean(x)) for x in parts[name]]
+                ci = bootstrap_interval(row_means[name], sizes)
                 row_ci[name] = None if ci is None else list(ci)
             records.append(
                 {
@@ -108,6 +109,7 @@ def aggregate(suite) -> list[dict]:
                     "metric": "top1",
                     "value": float(top1.mean()),
                     "ci95": row_ci["top1"],
+                    "window_values": row_means["top1"],  # per window, in window order: for paired comparisons
                     "teacher": teacher,
                     "positions": int(top1.size),
                     "windows": len(sizes),
@@ -120,6 +122,7 @@ def aggregate(suite) -> list[dict]:
                     "metric": "kl",
                     "value": float(kl.mean()),
                     "ci95": row_ci["kl"],
+                    "window_values": row_means["kl"],
                     "teacher": teacher,
                     "positions": int(kl.size),
                     "windows": len(sizes),

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.experiments.report import ANSWER_NLL
+from hydrahead_jax.experiments.report import ANSWER_NLL, WINDOWS
 from hydrahead_jax.run_config import PROBE_METHODS, SELECT, STAGES, RunConfig
 
 STAGE_ORDER = (SELECT,) + tuple(s.name for s in STAGES)
@@ -483,6 +483,8 @@ def suite_metrics(
                 out.setdefault(f"_{ANSWER_NLL}{rec['task']}@{rec['length']}", []).append(rec["answer_nll"])
         elif rec["metric"] in ("perplexity", "kl", "top1"):
             out[f"{'ppl' if rec['metric'] == 'perplexity' else rec['metric']}/{rec['source']}"] = rec["value"]
+            if len(rec.get("window_values") or []) > 1:  # the report's intervals and paired differences
+                out[f"{WINDOWS}{rec['metric']}/{rec['source']}"] = rec["window_values"]
     for key in [k for k in out if k.startswith("_")]:
         values = out.pop(key)
         out[key[1:]] = float(sum(values) / len(values))

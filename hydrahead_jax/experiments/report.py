@@ -20,6 +20,9 @@ RETRIEVAL_PREFIXES = ("niah@", "passkey@", "multikey@", "multivalue@", "kv@", "v
 # Key prefix of a retrieval cell's mean answer NLL in a variant's flattened suite ("answer_nll:niah@512" beside the
 # cell's accuracy "niah@512"): the answer's teacher-forced NLL in nats per token (evaluation.tasks.retrieval).
 ANSWER_NLL = "answer_nll:"
+# Key prefix of a held-out text metric's per-window values ("windows:kl/news" beside "kl/news"), in window order:
+# the same windows for every variant, so two variants' difference is paired window by window.
+WINDOWS = "windows:"
 
 
 def headline(evaluation: dict) -> dict[str, Any]:
@@ -183,6 +186,7 @@ def render_markdown(results: dict, rows: list[dict], plots: list[str]) -> str:
         cells = (f"{k} {_fmt_accuracy(v, prompts_per_cell(k, eval_settings))}" for k, v in teacher_retrieval.items())
         lines += ["", "Teacher retrieval: " + ", ".join(cells)]
     lines += answer_nll_table(results, rows)
+    lines += text_interval_table(results)
     lines += heldout_table(results)
     lines += ["", "## Variants", ""]
     for v in results["variants"]:
@@ -228,6 +232,56 @@ def answer_nll_table(results: dict, rows: list[dict]) -> list[str]:
     if any(k in teacher for k in keys):
         lines.append("| teacher | " + " | ".join(_fmt(teacher.get(k)) for k in keys) + " |")
     lines += [f"| {r['group']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return lines
+
+
+def text_interval_table(results: dict) -> list[str]:
+    """report.md's table of KL and top-1 on each held-out text source with their bootstrap 95 % intervals over the
+    windows, and each variant's difference from the recipe's first variant, paired window by window:
+    Δ = mean_w (x_w − base_w) with a percentile-bootstrap interval over windows (``bootstrap_interval``);
+    [] when no variant was evaluated on more than one window."""
+    from hydrahead_jax.evaluation.intervals import bootstrap_interval
+
+    finals = [(v["name"], (v.get("final") or {}).get("suite") or {}) for v in results["variants"]]
+    keys = sorted({k[len(WINDOWS) :] for _, suite in finals for k in suite if k.startswith(WINDOWS)})
+    if not keys:
+        return []
+    base_name, base = finals[0]
+    lines = [
+        "",
+        "## Held-out text with intervals",
+        "",
+        "KL(teacher ‖ student) in nats/token and top-1 agreement on the evaluation's held-out text windows (the same "
+        "windows for every variant), each with a bootstrap 95 % interval over windows; Δ = the variant minus "
+        f"`{base_name}`, paired window by window, with its bootstrap 95 % interval (an interval that excludes 0 "
+        "separates the two on these windows; it does not cover another data order's spread).",
+        "",
+        "| variant | " + " | ".join(f"{k} | Δ {k}" for k in keys) + " |",
+        "|" + "---|" * (2 * len(keys) + 1),
+    ]
+    for name, suite in finals:
+        cells = [name]
+        for k in keys:
+            x = suite.get(WINDOWS + k)
+            if not x:
+                cells += ["—", "—"]
+                continue
+            pct = k.startswith("top1")
+            scale, digits = (100.0, 1) if pct else (1.0, 3)
+            ci = bootstrap_interval(x)
+            cells.append(
+                f"{scale * sum(x) / len(x):.{digits}f} [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]"
+            )
+            b = base.get(WINDOWS + k)
+            if name == base_name or not b or len(b) != len(x):
+                cells.append("—")
+                continue
+            d = [xi - bi for xi, bi in zip(x, b)]
+            dci = bootstrap_interval(d)
+            cells.append(
+                f"{scale * sum(d) / len(d):+.{digits}f} [{scale * dci[0]:+.{digits}f}, {scale * dci[1]:+.{digits}f}]"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
