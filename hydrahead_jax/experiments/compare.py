@@ -36,7 +36,8 @@ Layout of the workdir::
 
 Rerunning continues where a killed comparison stopped: a variant whose eval.json matches its config hash is
 skipped, an unfinished one resumes inside ``run_pipeline`` (finished stages are skipped, a stage resumes from its
-last checkpoint).
+last checkpoint), and a killed final evaluation replays the prompts and windows its journal holds
+(``<variant>/eval_progress/``, the teacher's in ``teacher/``) and runs the rest.
 
 Evaluation of every model (``evaluate``): (1) the fixed held-out rows of the training data (``eval.data_rows`` ×
 ``eval.data_seq_len`` tokens: the corpus validation split, or unseen copy rows): KL(teacher ‖ model) and top-1
