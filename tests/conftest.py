@@ -29,7 +29,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 import collections  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import fcntl  # noqa: E402
+import io  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -49,6 +54,44 @@ def gensim_wheel():
             return fetch_gensim_wheel(cache)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRun:
+    config: object  # the recipe (train_helpers.finished_run_config())
+    workdir: Path
+    final: Path  # the export
+    stdout: str  # what the run printed
+
+
+@pytest.fixture(scope="session")
+def tiny_finished_run(tmp_path_factory):
+    """One finished run of the tiny recipe (``train_helpers.finished_run_config``, every stage and the export),
+    trained once for the whole test session and shared by the tests that only read it (the held-out evaluation's,
+    the pipeline's). Under xdist the workers share it through their common temporary folder: the first to ask
+    trains it under a lock, the others wait for it. A test that writes to a run copies it first
+    (``shutil.copytree``)."""
+    from train_helpers import finished_run_config
+
+    from hydrahead_jax.run_config import RunConfig
+    from hydrahead_jax.training.pipeline import run_pipeline
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    workdir, done = shared / "tiny_finished_run", shared / "tiny_finished_run.done"
+    c = finished_run_config()
+    with open(shared / "tiny_finished_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                shutil.rmtree(workdir, ignore_errors=True)  # what a worker that died mid-run left
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    run_pipeline(RunConfig.from_recipe(c), workdir)
+                done.write_text(out.getvalue())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return FinishedRun(config=c, workdir=workdir, final=workdir / "final", stdout=done.read_text())
 
 
 def pytest_collection_modifyitems(config, items):

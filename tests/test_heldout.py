@@ -3,9 +3,8 @@ fixed held-out batch (validation split, deterministic, never a training batch), 
 TensorBoard and heldout.json, heldout_rows=0, refusals. (Kill + resume: tests/test_train_resume.py and
 tests/test_recovery_faults.py check the held-out rows after a resume.)"""
 
-import contextlib
-import io
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
-from train_helpers import tiny_config
+from train_helpers import FINISHED_RUN_STEPS as STEPS
+from train_helpers import finished_run_config, tiny_config
 
 from hydrahead_jax.config import ConfigError, ModelConfig
 from hydrahead_jax.data.corpus import CorpusStore, prepare_corpus
@@ -27,20 +27,6 @@ from hydrahead_jax.training.checkpoint import StageCheckpointer
 from hydrahead_jax.training.data import HELDOUT_SEED_OFFSET, make_heldout_batch, make_stage_iterator
 from hydrahead_jax.training.pipeline import run_pipeline
 from hydrahead_jax.training.trainer import abstract_with_shardings
-
-STEPS = 3
-
-
-def _config():
-    c = tiny_config()
-    c.mesh.data = -1  # all 8 simulated devices: 4 held-out rows are padded to 8
-    for key in ("stage1", "stage2", "stage3"):
-        c[key].batch_size = 8
-        c[key].steps = STEPS
-        c[key].checkpoint_every = STEPS
-    c.stage1.heldout_every = 2  # points 0, 2 and the last step, 3
-    c.stage2.heldout_rows = 12  # more rows than a micro-batch of 8: evaluated in 2 groups of 8 (4 rows padding)
-    return c
 
 
 def _heldout_batch(run, index):
@@ -56,14 +42,11 @@ def _heldout_batch(run, index):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("heldout")
-    c = _config()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run_pipeline(RunConfig.from_recipe(c), workdir)
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return c, workdir, rows, out.getvalue()
+def finished_run(tiny_finished_run):
+    """The shared finished tiny run (conftest): (recipe, workdir, metrics.jsonl rows, what it printed)."""
+    run = tiny_finished_run
+    rows = [json.loads(line) for line in (run.workdir / "metrics.jsonl").read_text().splitlines()]
+    return run.config, run.workdir, rows, run.stdout
 
 
 def _restore(workdir, stage_dir, c):
@@ -156,7 +139,7 @@ def test_heldout_values_equal_an_independent_computation_from_the_checkpoints(fi
             np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-9, err_msg=f"{stage.name} {name} {step}")
 
 
-def test_heldout_points_logs_and_summaries(finished_run):
+def test_heldout_points_logs_and_summaries(finished_run, tmp_path):
     c, workdir, rows, out = finished_run
     assert [r["step"] for r in _heldout_rows(rows, "stage1_align")] == [0, 2, 3]  # heldout_every=2
     assert [r["step"] for r in _heldout_rows(rows, "stage2_distil")] == [0, 3]  # heldout_every=0
@@ -178,14 +161,16 @@ def test_heldout_points_logs_and_summaries(finished_run):
             f"{100 * first['top1']:.1f}% -> {100 * last['top1']:.1f}%"
         )
         assert line in out
-    # The rerun skips the finished stages: no row is evaluated or logged again.
-    before = (workdir / "metrics.jsonl").read_text()
-    run_pipeline(RunConfig.from_recipe(c), workdir)
-    assert (workdir / "metrics.jsonl").read_text() == before
+    # The rerun (on a copy: the run is shared) skips the finished stages: no row is evaluated or logged again.
+    rerun = tmp_path / "rerun"
+    shutil.copytree(workdir, rerun)
+    before = (rerun / "metrics.jsonl").read_text()
+    run_pipeline(RunConfig.from_recipe(c), rerun)
+    assert (rerun / "metrics.jsonl").read_text() == before
 
 
 def test_heldout_rows_0_turns_the_evaluation_off(tmp_path, capsys):
-    c = _config()
+    c = finished_run_config()
     c.stage1.steps = 1
     c.stage1.heldout_rows = 0
     run_pipeline(RunConfig.from_recipe(c), tmp_path, until_stage="align")
@@ -196,7 +181,7 @@ def test_heldout_rows_0_turns_the_evaluation_off(tmp_path, capsys):
 
 
 def test_copy_heldout_batch_is_fixed_and_never_a_training_batch():
-    run = RunConfig.from_recipe(_config())
+    run = RunConfig.from_recipe(finished_run_config())
     for index, stage in enumerate(STAGES):
         scfg = run.stage(stage)
         a, b = _heldout_batch(run, index), _heldout_batch(run, index)

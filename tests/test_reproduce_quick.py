@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from train_helpers import with_test_compilation_cache
 
 
 def _command(workdir, *flags):
@@ -18,7 +19,7 @@ def _command(workdir, *flags):
 @pytest.mark.slow  # the suite's longest test (4-5 min): started first, so no worker runs it alone at the end
 def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
     workdir = tmp_path / "study"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = with_test_compilation_cache(dict(os.environ, PYTHONUNBUFFERED="1"))
     first = subprocess.Popen(_command(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = []
     for line in first.stdout:

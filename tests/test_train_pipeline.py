@@ -1,13 +1,14 @@
 """The whole tiny pipeline in-process: stage chaining, rerun skips finished stages, export round trip, refusals."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import run_train, tiny_config
+from train_helpers import finished_run_config, run_train
 
 from hydrahead_jax import load_hydrahead
 from hydrahead_jax.config import ModelConfig
@@ -22,25 +23,14 @@ from hydrahead_jax.training.steps import LossSettings, compute_loss
 from hydrahead_jax.training.trainer import abstract_with_shardings
 
 
-def _config():
-    c = tiny_config()
-    c.mesh.data = -1  # all 8 simulated devices
-    for key in ("stage1", "stage2", "stage3"):
-        c[key].batch_size = 8
-        c[key].steps = 3
-    return c
-
-
 def _run(c):
     return RunConfig.from_recipe(c)
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("pipeline")
-    c = _config()
-    final = run_pipeline(_run(c), workdir)
-    return c, workdir, final
+def finished_run(tiny_finished_run):
+    """The shared finished tiny run (conftest): (recipe, workdir, export)."""
+    return tiny_finished_run.config, tiny_finished_run.workdir, tiny_finished_run.final
 
 
 def _records(workdir):
@@ -113,8 +103,10 @@ def test_export_round_trip(finished_run):
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(reference(ids)))
 
 
-def test_rerun_skips_finished_stages(finished_run, capsys):
-    c, workdir, _ = finished_run
+def test_rerun_skips_finished_stages(finished_run, capsys, tmp_path):
+    c, shared, _ = finished_run
+    workdir = tmp_path / "rerun"  # a copy: the run is shared
+    shutil.copytree(shared, workdir)
     before = (workdir / "metrics.jsonl").read_text()
     run_pipeline(_run(c), workdir)
     out = capsys.readouterr().out
@@ -123,10 +115,10 @@ def test_rerun_skips_finished_stages(finished_run, capsys):
 
 
 def test_workdir_of_another_config_is_refused(tmp_path):
-    c = _config()
+    c = finished_run_config()
     model = ModelConfig.from_dict(dict(c.teacher.model))
     check_workdir_config(tmp_path, _run(c), model, force_new=False)
-    c2 = _config()
+    c2 = finished_run_config()
     c2.logging.progress = True  # resume-safe fields may change
     c2.stage2.checkpoint_every = 7
     check_workdir_config(tmp_path, _run(c2), model, force_new=False)
@@ -143,7 +135,7 @@ def test_head_map_of_another_model_is_refused_before_training(tmp_path):
         vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
     )
     HeadMap.layerwise(other, "1:1").save(tmp_path / "other.json")
-    c = _config()
+    c = finished_run_config()
     c.selection.method = "given"
     c.selection.head_map_path = str(tmp_path / "other.json")
     with pytest.raises(HeadMapError, match="num_layers=3 but the model has num_layers=2"):
