@@ -56,6 +56,25 @@ def gensim_wheel():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _made_once(tmp_path_factory, name: str, make) -> tuple[Path, str]:
+    """(folder, text) of something several test files read and none writes, made once per test session: under
+    xdist the workers share it through their common temporary folder, the first to ask makes it under a lock
+    (``make(folder)`` returns the text to keep, e.g. what it printed), the others wait for it. A test that would
+    write to it copies it first (``shutil.copytree``)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a worker that died while making it left
+                done.write_text(make(folder))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder, done.read_text()
+
+
 @dataclasses.dataclass(frozen=True)
 class FinishedRun:
     config: object  # the recipe (train_helpers.finished_run_config())
@@ -66,32 +85,38 @@ class FinishedRun:
 
 @pytest.fixture(scope="session")
 def tiny_finished_run(tmp_path_factory):
-    """One finished run of the tiny recipe (``train_helpers.finished_run_config``, every stage and the export),
-    trained once for the whole test session and shared by the tests that only read it (the held-out evaluation's,
-    the pipeline's). Under xdist the workers share it through their common temporary folder: the first to ask
-    trains it under a lock, the others wait for it. A test that writes to a run copies it first
-    (``shutil.copytree``)."""
+    """One finished in-process run of the tiny recipe on the 8 simulated devices
+    (``train_helpers.finished_run_config``: every stage and the export), shared by the tests that only read it (the
+    held-out evaluation's, the pipeline's)."""
     from train_helpers import finished_run_config
 
     from hydrahead_jax.run_config import RunConfig
     from hydrahead_jax.training.pipeline import run_pipeline
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    workdir, done = shared / "tiny_finished_run", shared / "tiny_finished_run.done"
     c = finished_run_config()
-    with open(shared / "tiny_finished_run.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not done.exists():
-                shutil.rmtree(workdir, ignore_errors=True)  # what a worker that died mid-run left
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out):
-                    run_pipeline(RunConfig.from_recipe(c), workdir)
-                done.write_text(out.getvalue())
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return FinishedRun(config=c, workdir=workdir, final=workdir / "final", stdout=done.read_text())
+
+    def make(workdir):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            run_pipeline(RunConfig.from_recipe(c), workdir)
+        return out.getvalue()
+
+    workdir, stdout = _made_once(tmp_path_factory, "tiny_finished_run", make)
+    return FinishedRun(config=c, workdir=workdir, final=workdir / "final", stdout=stdout)
+
+
+@pytest.fixture(scope="session")
+def tiny_train_py_run(tmp_path_factory) -> Path:
+    """The workdir of one plain ``train.py --config configs/tiny.py`` run (one device, a subprocess as users run
+    it), shared by the tests that only read it (the memory plan's, the fault injection's reference)."""
+    from train_helpers import run_train
+
+    def make(workdir):
+        proc = run_train(workdir)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    return _made_once(tmp_path_factory, "tiny_train_py_run", make)[0]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ import json
 import sys
 
 import pytest
-from train_helpers import ROOT, run_train, tiny_config
+from train_helpers import ROOT, tiny_config
 
 from hydrahead_jax.run_config import RunConfig
 from hydrahead_jax.training import memory
@@ -29,11 +29,9 @@ def test_check_fits_suggests_the_smallest_micro_batches_that_fit():
 
 
 @pytest.mark.slow
-def test_plan_reports_what_the_trainer_compiles(tmp_path):
+def test_plan_reports_what_the_trainer_compiles(tiny_train_py_run):
     """train.py (one device) writes each stage's compiled memory; the compile-only plan of the same recipe on a
     one-device mesh gives the same bytes, without weights or data."""
-    r = run_train(tmp_path / "run")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sys.path.insert(0, str(ROOT / "bench"))
     import jax
     from memory_plan import model_config, plan_head_map
@@ -43,11 +41,11 @@ def test_plan_reports_what_the_trainer_compiles(tmp_path):
 
     run = RunConfig.from_recipe(tiny_config())
     cfg = model_config(run, type("A", (), {"shapes": "", "model_config": "", "layers": 0})())
-    head_map = HeadMap.load(tmp_path / "run" / "head_map.json", cfg)
+    head_map = HeadMap.load(tiny_train_py_run / "head_map.json", cfg)
     assert head_map.fa_groups == plan_head_map(run, cfg).fa_groups  # layerwise: the plan picks the same map
     mesh = shd.make_mesh(**dataclasses.asdict(run.mesh), devices=jax.devices()[:1])
     for kind, directory in (("align", "stage1_align"), ("distil", "stage2_distil"), ("long", "stage3_long")):
-        reported = json.loads((tmp_path / "run" / directory / "memory.json").read_text())
+        reported = json.loads((tiny_train_py_run / directory / "memory.json").read_text())
         planned = memory.plan_stage(run, kind, cfg, head_map, mesh).to_dict()
         assert reported["device_limit"] is None  # CPU reports no device memory
         for key in ("arguments", "outputs", "aliased", "temporaries"):

@@ -61,11 +61,9 @@ def _run_and_kill(workdir, stage, step):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    proc = run_train(workdir)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return workdir, _params(workdir / "final")
+def uninterrupted(tiny_train_py_run):
+    """The plain run of the tiny recipe (shared, conftest): its workdir and exported parameters."""
+    return tiny_train_py_run, _params(tiny_train_py_run / "final")
 
 
 # Kill points: run r kills stage s once it has logged step KILL_STEPS[(r + s) % 4]. Over the four runs every stage
