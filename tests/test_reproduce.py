@@ -1,6 +1,10 @@
 """The reproduction study (experiments/reproduce.py): the refusals that keep a workdir's study from changing under
 it, and the run plan."""
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 from hydrahead_jax.config import ConfigError
@@ -33,6 +37,27 @@ def test_only_names_parts_and_runs_are_seed_major():
     assert len(base) == 2 * 5 + 6 * 3 and len(specs) == len(base) + 2 * 3
     assert [s.seed for s in base] == sorted(s.seed for s in base)  # every arm's first seeds come first
     assert {s.arm for s in reproduce.run_specs(study, ["convergence"])} == set(reproduce.PRIMARY)
+    # a 4x check: the primary arms' 3 seeds again at 4x, after every 2x run
+    longer = dataclasses.replace(study, convergence_scales=(2.0, 4.0))
+    scales = [s.scale for s in reproduce.run_specs(longer, ["convergence"])]
+    assert scales == [2.0] * 6 + [4.0] * 6
+
+
+def test_convergence_budgets_double_and_stay_outside_the_recipe(tmp_path):
+    study = reproduce.Study()
+    for scales in [(4.0,), (2.0, 3.0), (2.0, 8.0)]:
+        with pytest.raises(ConfigError, match="each budget must double the one before"):
+            reproduce.check_study(dataclasses.replace(study, convergence_scales=scales))
+    longer = dataclasses.replace(study, convergence_scales=(2.0, 4.0), convergence_seeds=2)
+    # which convergence runs exist is no part of the recipe: results merged from either study stay valid
+    assert longer.digest() == study.digest()
+    assert dataclasses.replace(study, seeds=4).digest() != study.digest()
+    # a workdir started with the single-budget form of the setting (older study.json) goes on with a 4x check
+    older = {k: v for k, v in study.to_dict().items() if k != "convergence_scales"} | {"convergence_scale": 2.0}
+    (tmp_path / "study.json").write_text(json.dumps(older))
+    reproduce._claim_workdir(longer, tmp_path)
+    with pytest.raises(ConfigError, match="started with other settings"):
+        reproduce._claim_workdir(dataclasses.replace(study, seeds=4), tmp_path)
 
 
 def test_exploratory_comparisons_name_arms_of_the_study():
@@ -48,8 +73,6 @@ def test_fa_placement_by_hand():
 
 
 def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
-    import json
-
     study = reproduce.quick_study()
     theirs = {"runs": [], "study_digest": study.digest(), "claims_hash": claims.spec_hash(), "teacher": {"digest": "a"}}
     good, other_study, other_teacher = tmp_path / "good.json", tmp_path / "study.json", tmp_path / "teacher.json"
@@ -66,6 +89,25 @@ def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a reproduction's results.json"):
         reproduce.merged_records(study, None, [tmp_path / "bad.json"])
+    # a file that records its settings is judged by them, without the convergence runs' fields: one written with
+    # the single-budget form ("convergence_scale", whose digest covered it) merges into a study with a 4x check
+    older = {k: v for k, v in study.to_dict().items() if k != "convergence_scales"} | {"convergence_scale": 2.0}
+    (tmp_path / "older.json").write_text(json.dumps(theirs | {"study": older, "study_digest": "older form"}))
+    longer = dataclasses.replace(study, convergence_scales=(2.0, 4.0))
+    assert reproduce.merged_records(longer, None, [tmp_path / "older.json"]) == {}
+    (tmp_path / "seeds.json").write_text(json.dumps(theirs | {"study": older | {"seeds": 9}}))
+    with pytest.raises(ConfigError, match="another study recipe"):
+        reproduce.merged_records(longer, None, [tmp_path / "seeds.json"])
+
+
+def test_the_committed_study_merges_into_a_4x_check():
+    """The committed reproduction (written before the 4x option) is this study's: a 4x check goes on from it."""
+    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "reproduction" / "results.json"
+    longer = dataclasses.replace(reproduce.Study(), convergence_scales=(2.0, 4.0))
+    records = reproduce.merged_records(longer, json.loads(committed.read_text())["teacher"]["digest"], [committed])
+    assert {scale for (_, _, scale) in records} == {1.0, 2.0}
+    planned = reproduce.run_specs(longer, ["convergence"])
+    assert [s for s in planned if (s.arm, s.seed, s.scale) not in records] == [s for s in planned if s.scale == 4.0]
 
 
 def test_machine_time_by_hand():
@@ -106,8 +148,10 @@ def test_convergence_by_hand():
         (layer, 2, 1.0): _record(0.0, 9.0),
     }
     conv = reproduce.convergence(study, records, 64)
-    assert conv["seeds"] == [0, 1] and conv["converged"] is False
-    recall, kl = conv["metrics"]["mqar64"], conv["metrics"]["kl"]
+    assert conv["converged"] is False and conv["converged_budget"] is None and len(conv["checks"]) == 1
+    check = conv["checks"][0]
+    assert check["from"] == 1.0 and check["scale"] == 2.0 and check["seeds"] == [0, 1]
+    recall, kl = check["metrics"]["mqar64"], check["metrics"]["kl"]
     # recall differences: seed 0 0.80 -> 0.85, seed 1 0.60 -> 0.65; means 0.70 -> 0.75, moved 0.05 > 0.015
     assert recall["per_seed"]["0"] == pytest.approx({"x1": 0.80, "x2": 0.85})
     assert recall["per_seed"]["1"] == pytest.approx({"x1": 0.60, "x2": 0.65})
@@ -115,8 +159,19 @@ def test_convergence_by_hand():
     assert recall["moved"] == pytest.approx(0.05) and recall["limit"] == pytest.approx(0.015)
     # KL differences -0.10 at both budgets: moved 0 < 0.025
     assert kl["differences"] == pytest.approx({"x1": -0.10, "x2": -0.10}) and kl["moved"] == pytest.approx(0.0)
-    # recall moving by 0.01 on each seed is within half the margin: converged
+    # 4x runs of seed 0 only (merged from elsewhere: the study itself plans none): recall difference 0.85 -> 0.86
+    # moves 0.01 < 0.015, KL -0.10 -> -0.11 moves 0.01 < 0.025: 2x is the budget shown converged
+    records[(head, 0, 4.0)] = _record(0.96, 0.09)
+    records[(layer, 0, 4.0)] = _record(0.10, 0.20)
+    conv = reproduce.convergence(study, records, 64)
+    assert [(c["from"], c["scale"], c["seeds"]) for c in conv["checks"]] == [(1.0, 2.0, [0, 1]), (2.0, 4.0, [0])]
+    second = conv["checks"][1]["metrics"]
+    assert second["mqar64"]["differences"] == pytest.approx({"x2": 0.85, "x4": 0.86})
+    assert second["kl"]["differences"] == pytest.approx({"x2": -0.10, "x4": -0.11})
+    assert conv["checks"][1]["converged"] is True and conv["converged"] is False and conv["converged_budget"] == 2.0
+    # recall moving by 0.01 on each seed from 1x to 2x is within half the margin: the base budget converged
     records[(head, 0, 2.0)] = _record(0.91, 0.10)
     records[(head, 1, 2.0)] = _record(0.81, 0.12)
-    assert reproduce.convergence(study, records, 64)["converged"] is True
+    conv = reproduce.convergence(study, records, 64)
+    assert conv["converged"] is True and conv["converged_budget"] == 1.0
     assert reproduce.convergence(study, {}, 64)["converged"] is None

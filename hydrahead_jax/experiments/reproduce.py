@@ -21,7 +21,8 @@ The study, in order (each part skipped when it finished earlier; a killed part r
    is not accepted (``--quick`` records it and goes on).
 5. arms (``ARMS``) × seeds, each converted by the product's pipeline (``run_pipeline``: select → align → distil →
    long, the recipe's defaults for everything the arm does not set), then evaluated (``evaluate``).
-6. convergence: the two primary arms again at twice the training budget, on ``convergence_seeds`` seeds.
+6. convergence: the two primary arms again at each budget of ``convergence_scales`` (2x; ``--convergence_scales=2,4``
+   adds 4x beside finished 2x runs), on ``convergence_seeds`` seeds.
 7. claims (``claims.CLAIMS``, fixed before the runs: ``claims.json`` in the workdir is written before the first
    run and a changed claim set is refused) and the report: results.json, report.md, recall_by_length.png.
 
@@ -132,7 +133,7 @@ class Study:
     seeds: int = 5  # the two primary arms
     other_seeds: int = 3
     convergence_seeds: int = 3
-    convergence_scale: float = 2.0
+    convergence_scales: tuple[float, ...] = (2.0,)  # budgets 2, 4, ...: each doubles the one before
     accept_recall: float = 0.99
     near_chance: float = 0.10
     eval: StudyEval = StudyEval()
@@ -152,8 +153,19 @@ class Study:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def recipe_dict(self) -> dict[str, Any]:
+        """The settings that decide how a run trains and is measured, and which claims are tested: all but those
+        that choose which convergence runs exist (``RUN_SET_FIELDS``), so a later budget can be added beside runs
+        already finished (and results already merged) without invalidating them."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUN_SET_FIELDS}
+
     def digest(self) -> str:
-        return config_hash(self.to_dict())
+        return config_hash(self.recipe_dict())
+
+
+# Study fields that only choose which convergence runs exist ("convergence_scale": its single-budget form, as older
+# workdirs recorded it).
+RUN_SET_FIELDS = ("convergence_seeds", "convergence_scales", "convergence_scale")
 
 
 def quick_study() -> Study:
@@ -227,6 +239,12 @@ def check_study(study: Study) -> None:
         raise ConfigError(f"eval.lengths go up to {max(ev.lengths)}; the study measures up to 2x {study.seq_len}.")
     if study.seeds < 2:
         raise ConfigError("seeds must be >= 2: the claims are paired tests over seeds.")
+    budgets = (1.0, *study.convergence_scales)
+    if any(b != 2 * a for a, b in zip(budgets, budgets[1:])):
+        raise ConfigError(
+            f"convergence_scales={list(study.convergence_scales)}: each budget must double the one before, from 2 "
+            "(e.g. --convergence_scales=2,4): convergence is judged by what doubling the budget moves."
+        )
 
 
 def headline_pairs(study: Study) -> int:
@@ -389,8 +407,9 @@ def run_specs(study: Study, parts: list[str]) -> list[RunSpec]:
     for seed in range(max(study.seeds, study.other_seeds)):
         specs += [RunSpec(a, seed, 1.0) for a in arms if seed < study.seeds_of(a)]
     if CONVERGENCE in parts:
-        for seed in range(study.convergence_seeds):
-            specs += [RunSpec(a, seed, study.convergence_scale) for a in PRIMARY]
+        for scale in study.convergence_scales:
+            for seed in range(study.convergence_seeds):
+                specs += [RunSpec(a, seed, scale) for a in PRIMARY]
     return specs
 
 
@@ -605,8 +624,9 @@ def _claim_workdir(study: Study, workdir: Path) -> None:
     recipe_file, claims_file = workdir / "study.json", workdir / "claims.json"
     mine = study.to_dict()
     theirs = _read_json(recipe_file)
-    if theirs is not None and json.dumps(theirs, sort_keys=True) != json.dumps(
-        json.loads(json.dumps(mine, default=str)), sort_keys=True
+    recipe = {k: v for k, v in (theirs or {}).items() if k not in RUN_SET_FIELDS}
+    if theirs is not None and json.dumps(recipe, sort_keys=True) != json.dumps(
+        json.loads(json.dumps(study.recipe_dict(), default=str)), sort_keys=True
     ):
         raise ConfigError(
             f"{workdir} holds a study started with other settings ({recipe_file}); rerun with those settings "
@@ -770,7 +790,14 @@ def merged_records(study: Study, digest: str | None, merge: list[str | Path]) ->
         if not isinstance(theirs, dict) or "runs" not in theirs:
             raise ConfigError(f"--merge {path}: not a reproduction's results.json.")
         their_teacher = theirs.get("teacher", {}).get("digest")
-        if theirs.get("study_digest") != study.digest() or (digest is not None and their_teacher != digest):
+        # their recipe digest from the settings they record (older files' digests also covered the convergence runs)
+        their_study = theirs.get("study")
+        their_digest = (
+            config_hash({k: v for k, v in their_study.items() if k not in RUN_SET_FIELDS})
+            if isinstance(their_study, dict)
+            else theirs.get("study_digest")
+        )
+        if their_digest != study.digest() or (digest is not None and their_teacher != digest):
             raise ConfigError(
                 f"--merge {path}: it ran another study recipe or another teacher (its study/teacher digests differ "
                 "from this workdir's); only runs of the same study on the same teacher are reported together."
@@ -785,6 +812,7 @@ def merged_records(study: Study, digest: str | None, merge: list[str | Path]) ->
 
 def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), out: Path | None = None) -> dict:
     """results.json, report.md and recall_by_length.png from the finished runs of ``workdir`` and ``merge``."""
+    check_study(study)
     workdir = Path(workdir).absolute()
     out = Path(out) if out else workdir / "results"
     teacher_eval = _read_json(workdir / "teacher" / "eval.json")
@@ -833,18 +861,37 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
 
 
 def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
-    """The primary differences d_b = mean over seeds s of (head_7to1 − layer_3to1)(s, b) per metric, over the seeds
-    that finished both budgets b = 1 and b = ``convergence_scale``; converged when every |d_scale − d_1| is less
-    than half its claim margin (None until a seed has finished both budgets). Each seed's pair of differences is
-    kept beside the means (``per_seed``)."""
-    h1, scale = claims_mod.CLAIMS[0], study.convergence_scale
-    budgets = (1.0, scale)
+    """One check per doubling of the budget, b → 2b for the budgets 1, ``convergence_scales`` and any larger one
+    the records hold for the primary arms. A check's primary differences d_b = mean over seeds s of
+    (head_7to1 − layer_3to1)(s, b) per metric, over the seeds that finished both budgets (each seed's pair kept
+    beside the means, ``per_seed``); the check passes when every |d_2b − d_b| is less than half its claim margin
+    (None until a seed has finished both budgets). ``converged_budget``: the smallest b whose doubling passes (the
+    budget shown to be converged); ``converged``: whether the base budget's does."""
+    h1 = claims_mod.CLAIMS[0]
+    recorded = {scale for (arm, _, scale) in records if arm in (h1.arm_a, h1.arm_b) and scale > 1.0}
+    budgets = sorted({1.0, *study.convergence_scales, *recorded})
+    checks = []
+    for low, high in zip(budgets, budgets[1:]):
+        check = _doubling(study, records, pairs, low, high)
+        if check["seeds"] or high in study.convergence_scales:
+            checks.append(check)
+    passed = [c["from"] for c in checks if c["converged"]]
+    return {
+        "checks": checks,
+        "converged": checks[0]["converged"] if checks else None,
+        "converged_budget": min(passed) if passed else None,
+    }
+
+
+def _doubling(study: Study, records: dict, pairs: int, low: float, high: float) -> dict[str, Any]:
+    """The check of budget ``low`` against ``high`` = 2 · low (``convergence``)."""
+    h1 = claims_mod.CLAIMS[0]
     seeds = [
         s
         for s in range(study.convergence_seeds)
-        if all((arm, s, b) in records for arm in (h1.arm_a, h1.arm_b) for b in budgets)
+        if all((arm, s, b) in records for arm in (h1.arm_a, h1.arm_b) for b in (low, high))
     ]
-    out: dict[str, Any] = {"scale": scale, "seeds": seeds, "metrics": {}, "converged": None}
+    out: dict[str, Any] = {"from": low, "scale": high, "seeds": seeds, "metrics": {}, "converged": None}
     if not seeds:
         return out
     verdicts = []
@@ -855,9 +902,9 @@ def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
             a, b = (summary(records[(arm, seed, budget)], pairs)[key] for arm in (h1.arm_a, h1.arm_b))
             return float(a - b)
 
-        per_seed = {str(s): {f"x{b:g}": difference(s, b) for b in budgets} for s in seeds}
-        diffs = {f"x{b:g}": float(np.mean([d[f"x{b:g}"] for d in per_seed.values()])) for b in budgets}
-        moved = abs(diffs[f"x{scale:g}"] - diffs["x1"])
+        per_seed = {str(s): {f"x{b:g}": difference(s, b) for b in (low, high)} for s in seeds}
+        diffs = {f"x{b:g}": float(np.mean([d[f"x{b:g}"] for d in per_seed.values()])) for b in (low, high)}
+        moved = abs(diffs[f"x{high:g}"] - diffs[f"x{low:g}"])
         verdicts.append(moved < comp.margin / 2)
         out["metrics"][comp.metric] = {
             "differences": diffs,
@@ -992,26 +1039,34 @@ def render(results: dict, plots: list[str], study: Study) -> str:
             f"{_fmt(niah[0])} ± {_fmt(niah[1])} | {row['kv_bytes_per_token']} | {row['fa_placement']} |"
         )
     conv = results["convergence"]
-    h1, scale = claims_mod.CLAIMS[0], f"x{conv['scale']:g}"
+    h1 = claims_mod.CLAIMS[0]
+    shown = conv["converged_budget"]
     lines += [
         "",
-        f"## Convergence ({scale} budget)",
+        "## Convergence",
         "",
-        f"The primary difference ({h1.arm_a} − {h1.arm_b}) at the base budget → at {scale}, per seed and the mean over "
-        "the seeds that finished both; the budget is converged when every mean moves by less than half its claim's "
-        f"margin. Converged: **{conv['converged']}**.",
-        "",
+        f"The primary difference ({h1.arm_a} − {h1.arm_b}) at a budget → at twice it, per seed and the mean over the "
+        "seeds that finished both; a budget is converged when every mean moves by less than half its claim's margin. "
+        f"The base budget (the claims') converged: **{conv['converged']}**; the smallest budget shown converged: "
+        f"**{'—' if shown is None else f'x{shown:g}'}**.",
     ]
-    seeds = [str(s) for s in conv["seeds"]]
-    lines += [
-        "| metric | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | moved | limit | within |",
-        "|---|" + "---|" * (len(seeds) + 4),
-    ]
-    for metric, m in conv["metrics"].items():
-        cells = [f"{_fmt(m['per_seed'][s]['x1'], 4)} → {_fmt(m['per_seed'][s][scale], 4)}" for s in seeds]
-        mean = f"{_fmt(m['differences']['x1'], 4)} → {_fmt(m['differences'][scale], 4)}"
-        within = "yes" if m["moved"] < m["limit"] else "no"
-        lines.append(f"| {metric} | {' | '.join(cells)} | {mean} | {_fmt(m['moved'], 4)} | {m['limit']:g} | {within} |")
+    for check in conv["checks"]:
+        low, high = f"x{check['from']:g}", f"x{check['scale']:g}"
+        seeds = [str(s) for s in check["seeds"]]
+        lines += [
+            "",
+            f"{low} → {high}: within **{check['converged']}**",
+            "",
+            "| metric | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | moved | limit | within |",
+            "|---|" + "---|" * (len(seeds) + 4),
+        ]
+        for metric, m in check["metrics"].items():
+            cells = [f"{_fmt(m['per_seed'][s][low], 4)} → {_fmt(m['per_seed'][s][high], 4)}" for s in seeds]
+            mean = f"{_fmt(m['differences'][low], 4)} → {_fmt(m['differences'][high], 4)}"
+            within = "yes" if m["moved"] < m["limit"] else "no"
+            lines.append(
+                f"| {metric} | {' | '.join(cells)} | {mean} | {_fmt(m['moved'], 4)} | {m['limit']:g} | {within} |"
+            )
     mt = results["machine_time"]
     lines += [
         "",
@@ -1122,6 +1177,12 @@ def main(argv=None) -> int:
         "Where results.json, report.md and the plot go (default: bench/results/reproduction, or "
         "WORKDIR/results with --quick).",
     )
+    scales = flags.DEFINE_list(
+        "convergence_scales",
+        [],
+        "Budgets of the convergence check, each twice the one before (default: 2). 2,4 adds a 4x check of the "
+        "primary arms beside the 2x runs finished earlier (recorded here or in a --merge file).",
+    )
     measure = flags.DEFINE_integer(
         "measure_teacher_steps", 0, "Only measure the teacher's training throughput over this many steps."
     )
@@ -1139,6 +1200,12 @@ def main(argv=None) -> int:
         logging.set_verbosity(logging.WARNING)
         use_persistent_cache()
         study = quick_study() if quick.value else Study()
+        if scales.value:
+            try:
+                study = dataclasses.replace(study, convergence_scales=tuple(float(x) for x in scales.value))
+            except ValueError:
+                print(f"error: --convergence_scales={','.join(scales.value)}: give numbers, e.g. 2,4", file=sys.stderr)
+                sys.exit(2)
         target = Path(out.value) if out.value else (None if quick.value else Path("bench/results/reproduction"))
         try:
             if measure.value:
