@@ -138,17 +138,17 @@ def test_bf16_run_checkpoints_master_resumes_exactly_and_exports_bf16(tmp_path):
         "    c.teacher.model.param_dtype = 'bfloat16'\n    c.teacher.model.dtype = 'bfloat16'\n    return c\n"
     )
     run_train = functools.partial(_run_train, config=recipe)
-    dtypes = ()
-    stage = ("--config.stage1.steps=4", "--config.stage1.lr=1e-5", "--until_stage=align")
+    stage1 = ("--config.stage1.steps=4", "--config.stage1.lr=1e-5")
+    stage = (*stage1, "--until_stage=align")
     a = tmp_path / "a"
-    r = run_train(a, *dtypes, *stage)
+    r = run_train(a, *stage)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "compiled step memory per device" in r.stdout
     b = tmp_path / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "stage1_align" / "4")
     (b / "stage1_align" / "DONE").unlink()
-    r = run_train(b, *dtypes, *stage)
+    r = run_train(b, *stage)
     assert r.returncode == 0 and "resuming from step 2" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
     def model(run):
@@ -162,11 +162,12 @@ def test_bf16_run_checkpoints_master_resumes_exactly_and_exports_bf16(tmp_path):
     for x, y in zip(jax.tree.leaves(ma), jax.tree.leaves(mb), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-    r = run_train(
-        tmp_path / "c", *dtypes, "--config.stage1.steps=2", "--config.stage2.steps=2", "--config.stage3.steps=2"
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # the run goes on to the export (on a copy of a: its stage 1 is finished and kept)
+    full = tmp_path / "c"
+    shutil.copytree(a, full)
+    r = run_train(full, *stage1, "--config.stage2.steps=2", "--config.stage3.steps=2")
+    assert r.returncode == 0 and "[stage1_align] finished earlier" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     with ocp.StandardCheckpointer() as c:
-        exported = c.restore(tmp_path / "c" / "final" / "params")
+        exported = c.restore(full / "final" / "params")
     floats = [x for x in jax.tree.leaves(exported) if "float" in str(x.dtype)]
     assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
