@@ -135,7 +135,10 @@ def main(argv=None):
     timed = [c for c in args.contexts if c <= max(args.time_prefill_max, args.time_decode_max)]
     if timed:
         # pure states, as compiled_needs lowered them: the same programs, so jit reuses those executables
-        models = {name: (gd, nnx.as_pure(st)) for name, (gd, st) in ((n, nnx.split(b())) for n, b in builders.items())}
+        models = {}
+        for name, build in builders.items():
+            gd, st = nnx.split(build())
+            models[name] = (gd, nnx.as_pure(st))
         for ctx in timed:
             fits = {
                 n: max(results[n][ctx]["prefill_bytes"], results[n][ctx]["decode_bytes"]) < 0.8 * free for n in models

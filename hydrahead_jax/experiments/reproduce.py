@@ -154,10 +154,7 @@ class Study:
         return dataclasses.asdict(self)
 
     def recipe_dict(self) -> dict[str, Any]:
-        """The settings that decide how a run trains and is measured, and which claims are tested: all but those
-        that choose which convergence runs exist (``RUN_SET_FIELDS``), so a later budget can be added beside runs
-        already finished (and results already merged) without invalidating them."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUN_SET_FIELDS}
+        return recipe_part(self.to_dict())
 
     def digest(self) -> str:
         return config_hash(self.recipe_dict())
@@ -166,6 +163,13 @@ class Study:
 # Study fields that only choose which convergence runs exist ("convergence_scale": its single-budget form, as older
 # workdirs recorded it).
 RUN_SET_FIELDS = ("convergence_seeds", "convergence_scales", "convergence_scale")
+
+
+def recipe_part(settings: dict[str, Any]) -> dict[str, Any]:
+    """Of a study's recorded settings, those that decide how a run trains and is measured and which claims are
+    tested: all but ``RUN_SET_FIELDS``, so a later budget can be added beside runs already finished (and results
+    already merged) without invalidating them."""
+    return {k: v for k, v in settings.items() if k not in RUN_SET_FIELDS}
 
 
 def quick_study() -> Study:
@@ -624,8 +628,7 @@ def _claim_workdir(study: Study, workdir: Path) -> None:
     recipe_file, claims_file = workdir / "study.json", workdir / "claims.json"
     mine = study.to_dict()
     theirs = _read_json(recipe_file)
-    recipe = {k: v for k, v in (theirs or {}).items() if k not in RUN_SET_FIELDS}
-    if theirs is not None and json.dumps(recipe, sort_keys=True) != json.dumps(
+    if theirs is not None and json.dumps(recipe_part(theirs), sort_keys=True) != json.dumps(
         json.loads(json.dumps(study.recipe_dict(), default=str)), sort_keys=True
     ):
         raise ConfigError(
@@ -793,9 +796,7 @@ def merged_records(study: Study, digest: str | None, merge: list[str | Path]) ->
         # their recipe digest from the settings they record (older files' digests also covered the convergence runs)
         their_study = theirs.get("study")
         their_digest = (
-            config_hash({k: v for k, v in their_study.items() if k not in RUN_SET_FIELDS})
-            if isinstance(their_study, dict)
-            else theirs.get("study_digest")
+            config_hash(recipe_part(their_study)) if isinstance(their_study, dict) else theirs.get("study_digest")
         )
         if their_digest != study.digest() or (digest is not None and their_teacher != digest):
             raise ConfigError(
