@@ -39,6 +39,17 @@ def _random(seed: int) -> dict:
     }
 
 
+def without_issue29_winners(recipe, warmup_steps: tuple[int, int, int]) -> None:
+    """Undo, in a SmolLM2 recipe, the stage-1 and warm-up changes configs/smollm2_hydrahead.py adopted from issue 29's
+    comparison (q/k maps, the LA groups' q/k/v in stage 1, warm-up as a fraction from 0.1 · lr): comparisons run
+    before the adoption keep training what their committed results measured. ``warmup_steps``: stages 1-3's fixed
+    warm-up from lr 0, as the recipe had them."""
+    recipe.hybrid.gdn_qk_map = False
+    recipe.stage1.update(train="new", lr_scale_attention=1.0)
+    for stage, steps in zip((recipe.stage1, recipe.stage2, recipe.stage3), warmup_steps, strict=True):
+        stage.update(warmup_steps=steps, warmup_fraction=0.0, warmup_start_ratio=0.0)
+
+
 def get_config(arg: str | None = None):
     c = ConfigDict()
     base = smollm2_hydrahead.get_config()
@@ -52,6 +63,9 @@ def get_config(arg: str | None = None):
     base.hybrid.gdn_init = "spread"
     base.hybrid.gdn_beta_bias = False
     base.hybrid.gdn_dt_max = 0.1
+    # ... and the stage-1 training, warm-up and synthetic-row loss (the recipe adopted issue 29's winners since).
+    without_issue29_winners(base, warmup_steps=(8, 4, 2))
+    base.stage3.synthetic_loss = "answer"
     base.logging.progress = False  # one line per stage and variant from the comparison instead of 17 × 3 bars
     # Held-out points at the scaled budget (30 / 12 / 6 steps): about four per stage, for the loss curves.
     base.stage1.heldout_every = 10

@@ -53,6 +53,71 @@ def test_bad_variant_is_refused_with_its_name(variants, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["compare_tiny", "compare_smollm2", "compare_recipe_smollm2", "compare_demo_smollm2"])
+def test_every_shipped_comparison_resolves_before_any_work(name):
+    """Each comparison recipe in configs/ validates as a new user's command would (every variant's overrides, the
+    evaluation settings) without loading a teacher."""
+    from hydrahead_jax.experiments.compare import eval_settings
+
+    config = __import__(f"configs.{name}", fromlist=["get_config"]).get_config()
+    variants = load_variants(config)
+    assert len({v.name for v in variants}) == len(variants) >= 2
+    eval_settings(config.get("eval"))
+
+
+@pytest.mark.parametrize(
+    "name, results",
+    [
+        ("compare_smollm2", "compare_smollm2"),
+        ("compare_recipe_smollm2", "compare_recipe_smollm2"),
+        ("compare_recipe_smollm2", "compare_recipe_smollm2_order0"),
+        ("compare_recipe_smollm2", "compare_recipe_smollm2_order1"),
+        ("compare_demo_smollm2", "compare_demo_smollm2"),
+    ],
+)
+def test_each_committed_comparison_is_what_its_config_still_trains(name, results):
+    """bench/results' comparisons stay reproducible by their documented command when the library's recipes move
+    on: the base run each results.json recorded is the base its comparison config gives today."""
+    from hydrahead_jax.experiments.compare import comparison_base
+    from hydrahead_jax.training.checkpoint import _flat
+
+    recorded = json.loads((ROOT / "bench" / "results" / results / "results.json").read_text())["base"]
+    config = __import__(f"configs.{name}", fromlist=["get_config"]).get_config()
+    config.base.seed = recorded["seed"]
+    current = _flat(json.loads(json.dumps(comparison_base(config).to_dict())))
+    # settings added since the file was written count as unchanged: it cannot have recorded them
+    differ = {
+        k: (v, current.get(k, "<no longer a setting>")) for k, v in _flat(recorded).items() if current.get(k) != v
+    }
+    assert differ == {}
+
+
+def test_the_demo_comparisons_adopted_variant_is_exactly_what_make_demo_trains():
+    """configs/compare_demo_smollm2.py decided what `make demo` adopted: its ADOPTED variant must be the Makefile's
+    DEMO_CONFIG recipe at its own steps (budget_scale 1), differing only in the progress display; warm-up compared
+    as the steps it resolves to (warmup_steps is unused once warmup_fraction is set)."""
+    import dataclasses
+    import re
+
+    from configs import compare_demo_smollm2, smollm2_hydrahead
+    from hydrahead_jax.run_config import STAGES, RunConfig
+
+    def schedule(run):
+        stages = {s.config_key: getattr(run, s.config_key) for s in STAGES}
+        return dataclasses.replace(
+            run, **{key: dataclasses.replace(st, warmup_steps=st.warmup) for key, st in stages.items()}
+        )
+
+    make_demo = re.search(
+        r"^DEMO_CONFIG \?= configs/smollm2_hydrahead.py:(\w+)$", (ROOT / "Makefile").read_text(), re.M
+    )
+    recipe = smollm2_hydrahead.get_config(make_demo.group(1))
+    recipe.logging.progress = False
+    variants = {v.name: v for v in load_variants(compare_demo_smollm2.get_config())}
+    assert schedule(variants[compare_demo_smollm2.ADOPTED].run) == schedule(RunConfig.from_recipe(recipe))
+    assert schedule(variants["demo"].run) != schedule(RunConfig.from_recipe(recipe))
+
+
 def test_bad_variant_is_refused_before_any_training(tmp_path):
     """A ratio the tiny teacher's 2 KV groups per layer cannot meet per layer needs the teacher to be found bad:
     it is still refused before the first variant trains (no variant directory is made)."""
