@@ -154,6 +154,13 @@ def test_common_words_counts(inputs, length, freq_cw, freq_ucw):
     assert len(ex.prompt_ids) + ex.max_new_tokens > length - 40  # filled up to within a few entries
 
 
+def test_extraction_words_are_whole_corpus_words(inputs):
+    """The CWE / FWE word pool holds whole words of 4-12 letters: a longer word is left out, not cut to 12."""
+    text = " ".join(["The parliamentary session voted. Extraordinarily long words stay out; short ones count."] * 30)
+    pool = ruler.RulerInputs(inputs.tok, synthetic.Haystack(text, inputs.tok)).words(3)
+    assert set(pool) == {"session", "voted", "long", "words", "stay", "short", "ones", "count"}
+
+
 def test_frequent_words_counts(inputs):
     ex = ruler.build("fwe", inputs, length=2048, seed=0)
     text = _text(inputs, ex)

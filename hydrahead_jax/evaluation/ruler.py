@@ -99,11 +99,12 @@ class RulerInputs:
         self._token_counts: dict[str, int] = {}
 
     def words(self, needed: int) -> list[str]:
-        """Distinct lowercase corpus words of 4–12 letters, in order of first appearance (at least ``needed``)."""
+        """Distinct lowercase corpus words of 4–12 letters, in order of first appearance (at least ``needed``); whole
+        words only, so a longer word never gives its first 12 letters."""
         if self._words is None or len(self._words) < needed:
             seen: dict[str, None] = {}
             for s in self.corpus.sentences:
-                for w in re.findall(r"[a-z]{4,12}", self.tok.decode(s).lower()):
+                for w in re.findall(r"\b[a-z]{4,12}\b", self.tok.decode(s).lower()):
                     seen.setdefault(w)
                 if len(seen) >= max(needed, 2000):
                     break
