@@ -24,7 +24,7 @@ every stage's held-out batch lower, and is what `make demo` trains since (ADOPTE
 from ml_collections import ConfigDict
 
 from configs import smollm2_hydrahead
-from configs.compare_recipe_smollm2 import CHANGES
+from configs.compare_recipe_smollm2 import together
 from configs.compare_smollm2 import without_issue29_winners
 
 ADOPTED = "demo_winners"  # the variant that is configs/smollm2_hydrahead.py:streaming64 now
@@ -40,7 +40,7 @@ def get_config(arg: str | None = None):
     c.keep_checkpoints = False
     c.variants = [
         {"name": "demo", "overrides": {}},
-        {"name": "demo_winners", "overrides": {**CHANGES["qk_map"], **CHANGES["la_qkv"], **CHANGES["warmup"]}},
+        {"name": "demo_winners", "overrides": together("qk_map", "la_qkv", "warmup")},
     ]
     c.eval = ConfigDict({"suite": "ppl,agreement", "ppl_windows": 8, "lengths": "512,1k"})
     return c

@@ -52,6 +52,14 @@ CHANGES = {
 _LOST_ALONE = ("head_targets", "lr_groups")
 
 
+def together(*names: str) -> dict:
+    """The overrides of the named CHANGES applied together."""
+    out = {}
+    for name in names:
+        out.update(CHANGES[name])
+    return out
+
+
 def get_config(arg: str | None = None):
     c = compare_smollm2.get_config(arg)
     base = c.base
@@ -61,15 +69,8 @@ def get_config(arg: str | None = None):
     base.hybrid.fusion_bias = True
     c.variants = [{"name": "recipe_base", "overrides": {}}]
     c.variants += [{"name": name, "overrides": dict(changes)} for name, changes in CHANGES.items()]
-    combined = {}
-    for changes in CHANGES.values():
-        combined.update(changes)
-    c.variants.append({"name": "combined", "overrides": combined})
-    winners = {}
-    for name, changes in CHANGES.items():
-        if name not in _LOST_ALONE:
-            winners.update(changes)
-    c.variants.append({"name": "winners", "overrides": winners})
+    c.variants.append({"name": "combined", "overrides": together(*CHANGES)})
+    c.variants.append({"name": "winners", "overrides": together(*(n for n in CHANGES if n not in _LOST_ALONE))})
     window = {**CHANGES["fusion_la_scale"], "hybrid.la_window": 64, "hybrid.la_sinks": 4}
     c.variants.append({"name": "window64", "overrides": window})
     c.eval.suite = "niah,passkey,kv,ppl,agreement"
