@@ -59,8 +59,9 @@ reproduce: $(VENV)/.installed
 	$(PY) -m hydrahead_jax.experiments.reproduce --workdir $(REPRODUCE_DIR) $(REPRODUCE_ARGS)
 	@echo "Report: bench/results/reproduction/report.md (claims, teacher, every run: results.json)"
 
-# --max-worker-restart=0: a worker that dies (an XLA:CPU compile segfaulted a worker in one full run on a loaded
-# box, 2026-12-06) fails the suite naming the test it was running, and the other worker finishes the other files.
+# --max-worker-restart=0: a worker that dies (e.g. an XLA:CPU compile at the process's memory-mapping limit, which
+# tests/conftest.py now keeps workers away from) fails the suite naming the test it was running, and the other
+# worker finishes the other files.
 # Replacing the worker instead makes pytest-xdist 3.8 under --dist loadfile wait forever at the end of the run
 # (pytest-xdist #1323).
 test: $(VENV)/.installed-dev lint

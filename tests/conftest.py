@@ -119,6 +119,37 @@ def tiny_train_py_run(tmp_path_factory) -> Path:
     return _made_once(tmp_path_factory, "tiny_train_py_run", make)[0]
 
 
+def _memory_map_limit() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's per-process limit vm.max_map_count), or None where
+    /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            held = sum(1 for _ in maps)
+        return held, int(Path("/proc/sys/vm/max_map_count").read_text())
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drops JAX's compiled programs once a test leaves this process near its memory-mapping limit.
+
+    XLA:CPU maps each executable it compiles (code, read-only data, data: about three mappings a program; eager
+    operations compile too) and keeps it while JAX's caches do. A pytest worker runs hundreds of tests and compiles
+    tens of thousands of small programs: a serial run of the files up to test_streaming_heads.py held 32,000
+    mappings a tenth of the way through, and at the kernel's limit (vm.max_map_count, 65,530 by default) the
+    compiler's next mmap fails and XLA dereferences it — a segmentation fault inside ``backend_compile_and_load``,
+    in whichever test compiles next (the crashes of the suite's workers so far; the serial run above reached 61,553
+    before a test happened to clear the caches). Past half the limit the caches are cleared; a later test that
+    needs a cleared program compiles it again."""
+    yield
+    held = _memory_map_limit()
+    if held is not None and held[0] > held[1] // 2:
+        from hydrahead_jax.compilation import release_compiled
+
+        release_compiled()
+
+
 def pytest_collection_modifyitems(config, items):
     """Files that hold a test marked ``slow`` run first, then the other files by their number of tests, most first
     (each file's own order kept). `make test` hands whole files to its workers in this order (``--dist loadfile
