@@ -15,7 +15,8 @@ Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-select
 "layerwise_3to1", "random_7to1", "yarn4" (the 7:1 student whose FA heads take YaRN x4 from stage 3 on: the
 teacher's 8192 positions stretched to 32768, carried into the export), "streaming64" (beyond the paper: each LA head
 also attends to its first 4 and last 64 tokens with its teacher head's softmax, the GDN heads added through the
-fusion; HybridConfig.la_window).
+fusion; HybridConfig.la_window). Variants join with "+": "streaming64+yarn4" is the streaming student whose FA
+heads take YaRN x4 in stage 3.
 """
 
 from configs.common import base, stage
@@ -109,7 +110,8 @@ def get_config(arg: str | None = None):
         heldout_rows=2,
         heldout_every=10,
     )
-    _variant(c, arg or "")
+    for part in (arg or "").split("+"):
+        _variant(c, part)
     return c
 
 

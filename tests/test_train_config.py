@@ -35,6 +35,7 @@ def _recipe(name, arg=None):
         ("smollm2_hydrahead", None),
         ("smollm2_hydrahead", "layerwise_3to1"),
         ("smollm2_hydrahead", "streaming64"),
+        ("smollm2_hydrahead", "streaming64+yarn4"),
         ("qwen3_1p7b_hydrahead", "7to1"),
     ],
 )
@@ -48,6 +49,15 @@ def test_every_recipe_converts_to_a_frozen_validated_run_config(name, arg):
     for stage in STAGES:
         assert set(resolved[stage.config_key]) == set(section_fields((stage.config_key,)))
     json.dumps(resolved)  # plain data
+
+
+def test_joined_variants_apply_each_part():
+    joined, streaming = _recipe("smollm2_hydrahead", "streaming64+yarn4"), _recipe("smollm2_hydrahead", "streaming64")
+    assert joined.stage3.rope_scaling == "yarn:4" and streaming.stage3.rope_scaling != "yarn:4"
+    joined.stage3.rope_scaling = streaming.stage3.rope_scaling
+    assert joined.to_dict() == streaming.to_dict()
+    with pytest.raises(ValueError, match="unknown variant 'yarn5'"):
+        _recipe("smollm2_hydrahead", "streaming64+yarn5")
 
 
 def test_recipe_values_survive_the_conversion_unchanged():
