@@ -136,12 +136,12 @@ def _release_compiled_programs():
 
     XLA:CPU maps each executable it compiles (code, read-only data, data: about three mappings a program; eager
     operations compile too) and keeps it while JAX's caches do. A pytest worker runs hundreds of tests and compiles
-    tens of thousands of small programs: a serial run of the files up to test_streaming_heads.py held 32,000
+    tens of thousands of small programs: a serial run of the files up to test_streaming_heads.py held 28,836
     mappings a tenth of the way through, and at the kernel's limit (vm.max_map_count, 65,530 by default) the
-    compiler's next mmap fails and XLA dereferences it — a segmentation fault inside ``backend_compile_and_load``,
-    in whichever test compiles next (the crashes of the suite's workers so far; the serial run above reached 61,553
-    before a test happened to clear the caches). Past half the limit the caches are cleared; a later test that
-    needs a cleared program compiles it again."""
+    compiler's next mmap fails. The workers' crashes match: a segmentation fault inside ``backend_compile_and_load``,
+    in a different test each time, always late in a long-lived worker (the serial run above reached 61,553 before a
+    test happened to clear the caches). Past half the limit the caches are cleared; a later test that needs a
+    cleared program compiles it again."""
     yield
     held = _memory_map_limit()
     if held is not None and held[0] > held[1] // 2:

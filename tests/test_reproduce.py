@@ -107,9 +107,9 @@ def test_the_committed_study_merges_into_a_4x_check():
     longer = dataclasses.replace(reproduce.Study(), convergence_scales=(2.0, 4.0))
     records = reproduce.merged_records(longer, json.loads(committed.read_text())["teacher"]["digest"], [committed])
     planned = reproduce.run_specs(longer, ["convergence"])
-    recorded = [s for s in planned if (s.arm, s.seed, s.scale) in records]
-    assert {scale for (_, _, scale) in records} >= {1.0, 2.0} and {s.scale for s in recorded} >= {2.0}
-    assert [s for s in planned if s not in recorded] == [s for s in planned if s.scale == 4.0 and s not in recorded]
+    left = [s for s in planned if (s.arm, s.seed, s.scale) not in records]
+    assert {scale for (_, _, scale) in records} >= {1.0, 2.0}  # the claims' runs and the 2x check
+    assert all(s.scale == 4.0 for s in left), left  # only 4x runs not finished yet
 
 
 def test_machine_time_by_hand():
