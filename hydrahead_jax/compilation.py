@@ -35,6 +35,18 @@ def release_compiled() -> None:
     gc.collect()
 
 
+def memory_mappings() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's per-process limit ``vm.max_map_count``), or None where
+    /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            held = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return held, int(limit.read())
+    except OSError:
+        return None
+
+
 # The persistent cache's size limit. Any limit makes jax hold a file lock around every read and write of the cache:
 # without one, a process can read an entry another process is still writing (the processes of a multi-process run
 # on one machine, a run beside an evaluation) and crash deserialising it. The least recently used entries go first.

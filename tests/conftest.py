@@ -119,17 +119,6 @@ def tiny_train_py_run(tmp_path_factory) -> Path:
     return _made_once(tmp_path_factory, "tiny_train_py_run", make)[0]
 
 
-def _memory_map_limit() -> tuple[int, int] | None:
-    """(memory mappings this process holds, the kernel's per-process limit vm.max_map_count), or None where
-    /proc does not say (not Linux)."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            held = sum(1 for _ in maps)
-        return held, int(Path("/proc/sys/vm/max_map_count").read_text())
-    except OSError:
-        return None
-
-
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """Drops JAX's compiled programs once a test leaves this process near its memory-mapping limit.
@@ -143,10 +132,10 @@ def _release_compiled_programs():
     test happened to clear the caches). Past half the limit the caches are cleared; a later test that needs a
     cleared program compiles it again."""
     yield
-    held = _memory_map_limit()
-    if held is not None and held[0] > held[1] // 2:
-        from hydrahead_jax.compilation import release_compiled
+    from hydrahead_jax.compilation import memory_mappings, release_compiled
 
+    mappings = memory_mappings()
+    if mappings is not None and mappings[0] > mappings[1] // 2:
         release_compiled()
 
 

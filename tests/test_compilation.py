@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hydrahead_jax.compilation import release_compiled
+from hydrahead_jax.compilation import memory_mappings, release_compiled
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.evaluation import runner as runner_module
 from hydrahead_jax.evaluation.runner import Runner
@@ -16,8 +16,7 @@ from hydrahead_jax.models import Transformer
 
 
 def _mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
+    return memory_mappings()[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's mappings in /proc/self/maps")
