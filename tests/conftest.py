@@ -121,16 +121,13 @@ def tiny_train_py_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Drops JAX's compiled programs once a test leaves this process near its memory-mapping limit.
+    """Drops JAX's compiled programs once a test leaves this process past half its memory-mapping limit.
 
-    XLA:CPU maps each executable it compiles (code, read-only data, data: about three mappings a program; eager
-    operations compile too) and keeps it while JAX's caches do. A pytest worker runs hundreds of tests and compiles
-    tens of thousands of small programs: a serial run of the files up to test_streaming_heads.py held 28,836
-    mappings a tenth of the way through, and at the kernel's limit (vm.max_map_count, 65,530 by default) the
-    compiler's next mmap fails. The workers' crashes match: a segmentation fault inside ``backend_compile_and_load``,
-    in a different test each time, always late in a long-lived worker (the serial run above reached 61,553 before a
-    test happened to clear the caches). Past half the limit the caches are cleared; a later test that needs a
-    cleared program compiles it again."""
+    Each compiled program holds mappings until released (hydrahead_jax/compilation.py); a pytest worker compiles
+    tens of thousands of small ones. A serial run of the files up to test_streaming_heads.py held 28,836 mappings a
+    tenth of the way through and 61,553 at its peak, against vm.max_map_count = 65,530; the workers' crashes
+    (a segmentation fault inside ``backend_compile_and_load``, in a different test each time, late in a long-lived
+    worker) match that limit. A later test that needs a released program compiles it again."""
     yield
     from hydrahead_jax.compilation import memory_mappings, release_compiled
 
