@@ -110,7 +110,7 @@ def step_compile(student, teacher, kind: str, seq: int, batch: int, chunk: int, 
     gd, params, frozen = nnx.split(model, new_param_filter if kind == "align" else nnx.Param, ...)
     t_gd, t_state = teacher
     settings = LossSettings(kind=kind, chunk=chunk, ce_weight=1.0 if kind == "long" else 0.0, remat=remat)
-    tx, schedule = make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100)
+    tx, _ = make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100)
     train_state = {
         "params": params,
         "frozen": frozen,
@@ -122,8 +122,9 @@ def step_compile(student, teacher, kind: str, seq: int, batch: int, chunk: int, 
         "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
         "loss_mask": jax.ShapeDtypeStruct((batch, seq), jnp.float32),
     }
-    step = make_train_step(gd, t_gd, tx, settings, schedule)
-    seconds, exe = timed_compile(step, train_state, t_state if settings.needs_teacher else None, data)
+    step = make_train_step(gd, t_gd, tx, settings)
+    learning_rate = jax.ShapeDtypeStruct((), jnp.float32)
+    seconds, exe = timed_compile(step, train_state, t_state if settings.needs_teacher else None, data, learning_rate)
     return seconds, compiled_memory(exe)
 
 

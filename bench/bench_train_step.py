@@ -56,7 +56,7 @@ def recipe_seq_lens() -> tuple[tuple[int, ...], str]:
 
 
 def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int, remat: bool = False):
-    """(compiled step, state, teacher_state, batch, compiled bytes) of one stage."""
+    """(compiled step, its inputs (state, teacher_state, batch, learning rate), compiled bytes) of one stage."""
     trainable = new_param_filter if kind == "align" else nnx.Param
     gd, params, frozen = nnx.split(student, trainable, ...)
     # The step donates its state: copy, so the student/teacher arrays (shared by build_student) stay alive.
@@ -64,13 +64,14 @@ def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int, re
     t_gd, t_state = nnx.split(teacher)
     settings = LossSettings(kind=kind, chunk=chunk, ce_weight=1.0 if kind == "long" else 0.0, remat=remat)
     tx, schedule = make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100)
-    step = jax.jit(make_train_step(gd, t_gd, tx, settings, schedule), donate_argnums=(0,))
+    step = jax.jit(make_train_step(gd, t_gd, tx, settings), donate_argnums=(0,))
     state = {"params": params, "frozen": frozen, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     teacher_state = t_state if settings.needs_teacher else None
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, student.cfg.vocab_size, (batch, seq + 1)), jnp.int32)
     data = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.ones((batch, seq), jnp.float32)}
-    exe = step.lower(state, teacher_state, data).compile()
+    learning_rate = schedule(1)  # the peak, after the one warm-up step
+    exe = step.lower(state, teacher_state, data, learning_rate).compile()
     ma = exe.memory_analysis()
     nbytes = int(
         ma.argument_size_in_bytes
@@ -78,7 +79,7 @@ def stage_step(student, teacher, kind: str, seq: int, batch: int, chunk: int, re
         + ma.temp_size_in_bytes
         - getattr(ma, "alias_size_in_bytes", 0)
     )
-    return exe, state, teacher_state, data, nbytes
+    return exe, (state, teacher_state, data, learning_rate), nbytes
 
 
 def main(argv=None):
@@ -116,12 +117,12 @@ def main(argv=None):
     ]
     for label, kind, seq, batch, remat in runs:
         t0 = time.perf_counter()
-        exe, state, teacher_state, data, nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk, remat)
+        exe, (state, *inputs), nbytes = stage_step(student, teacher, kind, seq, batch, args.loss_chunk, remat)
         compile_s = time.perf_counter() - t0
         times = []
         for i in range(1 + args.steps):
             t0 = time.perf_counter()
-            state, metrics = exe(state, teacher_state, data)
+            state, metrics = exe(state, *inputs)
             jax.block_until_ready(metrics["loss"])
             if i:
                 times.append(time.perf_counter() - t0)

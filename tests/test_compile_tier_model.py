@@ -56,7 +56,11 @@ def compile_tiny_train_step(
     teacher_gd, teacher_state = nnx.split(teacher)
     tx, schedule = make_optimizer(lr=float(scfg.lr), warmup_steps=2, total_steps=int(scfg.steps))
     settings = LossSettings(kind="distil", chunk=int(scfg.loss_chunk))
-    step = make_train_step(gd, teacher_gd, tx, settings, schedule)
+    train_step = make_train_step(gd, teacher_gd, tx, settings)
+
+    def step(state, teacher_state, batch):  # compile-only: the learning rate's value changes no operation
+        return train_step(state, teacher_state, batch, schedule(0))
+
     if not gradient:
 
         def step(state, teacher_state, batch):

@@ -159,7 +159,7 @@ def test_student_train_step_for_an_h200_runs_cudnn_for_every_fa_group(packed):
     gd, params, frozen = nnx.split(student, nnx.Param, ...)
     teacher_gd, teacher_state = nnx.split(teacher)
     tx, schedule = make_optimizer(lr=1e-3, warmup_steps=2, total_steps=10)
-    step = make_train_step(gd, teacher_gd, tx, LossSettings(kind="distil", chunk=16), schedule)
+    step = make_train_step(gd, teacher_gd, tx, LossSettings(kind="distil", chunk=16))
     pure = nnx.as_pure(params)
     state = dict(params=pure, frozen=nnx.as_pure(frozen), opt_state=tx.init(pure), step=jnp.zeros((), jnp.int32))
     rows = _struct((2, int(c.stage2.seq_len)), jnp.int32)
@@ -167,8 +167,9 @@ def test_student_train_step_for_an_h200_runs_cudnn_for_every_fa_group(packed):
     batch["loss_mask"] = _struct(rows.shape, jnp.float32)
     if packed:
         batch["segment_ids"] = rows
+    learning_rate = schedule(0)
     with tracing_for("gpu"), assume_cuda_runtime():
-        kernels = _kernels(str(jax.make_jaxpr(step)(state, nnx.as_pure(teacher_state), batch)))
+        kernels = _kernels(str(jax.make_jaxpr(step)(state, nnx.as_pure(teacher_state), batch, learning_rate)))
     attention = {k: n for k, n in kernels.items() if not k.startswith("gated_delta")}
     assert any(k.startswith("gated_delta") for k in kernels), kernels
     if packed:

@@ -57,12 +57,10 @@ def _step(kind, micro_batches, chunk_rows=0):
     graphdef, params, frozen = nnx.split(student, new_param_filter if kind == "align" else nnx.Param, ...)
     t_graphdef, t_state = nnx.split(teacher)
     settings = LossSettings(kind=kind, chunk=8, chunk_rows=chunk_rows, kl_weight=0.5 if kind == "long" else 0.0)
-    step = make_train_step(
-        graphdef, t_graphdef, optax.sgd(1.0), settings, lambda s: 1.0, step_settings=StepSettings(micro_batches)
-    )
+    step = make_train_step(graphdef, t_graphdef, optax.sgd(1.0), settings, step_settings=StepSettings(micro_batches))
     params = nnx.as_pure(params)
     state = {"params": params, "frozen": nnx.as_pure(frozen), "opt_state": optax.sgd(1.0).init(params), "step": 0}
-    new_state, metrics = jax.jit(step)(state, nnx.as_pure(t_state), _batch())
+    new_state, metrics = jax.jit(step)(state, nnx.as_pure(t_state), _batch(), jnp.float32(1.0))
     grads = jax.tree.map(lambda a, b: a - b, params, new_state["params"])
     return grads, metrics
 
@@ -99,16 +97,15 @@ def test_sharded_micro_batches_match_one_device():
     _, params, frozen = nnx.split(student, nnx.Param, ...)
     t_graphdef, t_state = nnx.split(teacher)
     t_sh = shd.state_shardings(t_state, mesh)
-    step = make_train_step(
-        layout.graphdef, t_graphdef, tx, settings, lambda s: 1.0, step_settings=StepSettings(micro_batches=2)
-    )
+    step = make_train_step(layout.graphdef, t_graphdef, tx, settings, step_settings=StepSettings(micro_batches=2))
     params = nnx.as_pure(params)
     state = {"params": params, "frozen": nnx.as_pure(frozen), "opt_state": tx.init(params), "step": jnp.int32(0)}
     params = jax.device_get(params)  # host copies: the step donates (and may delete) the placed state
     state = jax.device_put(state, layout.shardings)
     batch = jax.device_put(_batch(), layout.batch_sharding)
-    hlo = jit_train_step(step, layout, t_sh).lower(state, jax.device_put(nnx.as_pure(t_state), t_sh), batch)
-    new_state, metrics = hlo.compile()(state, jax.device_put(nnx.as_pure(t_state), t_sh), batch)
+    lr = jnp.float32(1.0)
+    hlo = jit_train_step(step, layout, t_sh).lower(state, jax.device_put(nnx.as_pure(t_state), t_sh), batch, lr)
+    new_state, metrics = hlo.compile()(state, jax.device_put(nnx.as_pure(t_state), t_sh), batch, lr)
     g_sharded = jax.tree.map(lambda a, b: a - b, params, jax.device_get(new_state["params"]))
     g_ref, m_ref = _step("distil", 1)
     np.testing.assert_allclose(float(metrics["loss"]), float(m_ref["loss"]), rtol=1e-5)

@@ -53,11 +53,11 @@ def _run(master_dtype, steps=3):
     settings = LossSettings(kind="long", chunk=16)
     tx = optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.0)
     ss = StepSettings(master_dtype=master_dtype)
-    step = jax.jit(make_train_step(graphdef, None, tx, settings, lambda s: LR, step_settings=ss, model_params=params))
+    step = jax.jit(make_train_step(graphdef, None, tx, settings, step_settings=ss, model_params=params))
     master = to_master(params, ss)
     state = {"params": master, "frozen": frozen, "opt_state": tx.init(master), "step": jnp.int32(0)}
     for _ in range(steps):
-        state, _ = step(state, None, batch)
+        state, _ = step(state, None, batch, jnp.float32(LR))
     return params, state
 
 

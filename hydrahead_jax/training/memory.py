@@ -188,7 +188,7 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
         loss, step_settings = stage_settings(scfg, stage.loss, data_parallel, run.data.mask_documents)
     except ValueError as error:
         raise ValueError(f"config.{key}: {error}") from None
-    tx, schedule = stage_optimizer(scfg, 1000, fa_slice_mask(scfg.train, head_map.fa_counts(), cfg.num_kv_heads))
+    tx, _ = stage_optimizer(scfg, scfg.total_steps, fa_slice_mask(scfg.train, head_map.fa_counts(), cfg.num_kv_heads))
     graphdef, abstract_student = nnx.split(nnx.eval_shape(lambda: build_model(cfg, head_map, run.hybrid, nnx.Rngs(0))))
     trainable = trainable_filter(scfg.train, scfg.lr_scales)
     layout = stage_layout(graphdef, abstract_student, trainable, tx, mesh, step_settings)
@@ -208,11 +208,12 @@ def plan_stage(run, kind: str, cfg, head_map, mesh, *, micro_batches: int | None
         t_graphdef,
         tx,
         loss,
-        schedule,
         step_settings=step_settings,
         model_params=layout.model_params,
         batch_sharding=layout.batch_sharding,
     )
+    learning_rate = jax.ShapeDtypeStruct((), "float32", sharding=layout.shardings["step"])
     with jax.set_mesh(mesh):  # traced as the trainer traces it: kernels and context parallelism see the mesh
-        compiled = jit_train_step(step, layout, t_shardings).lower(layout.abstract_state, t_abstract, batch).compile()
+        jitted = jit_train_step(step, layout, t_shardings)
+        compiled = jitted.lower(layout.abstract_state, t_abstract, batch, learning_rate).compile()
     return StepMemory.from_compiled(compiled)

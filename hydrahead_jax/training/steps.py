@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -324,10 +323,11 @@ def row_placer(batch_sharding) -> losses.RowPlacer:
 
 
 def jit_train_step(step_fn, layout: StageLayout, teacher_shardings):
-    """``jax.jit`` of a ``make_train_step`` step with the layout's shardings; the train state is donated."""
+    """``jax.jit`` of a ``make_train_step`` step with the layout's shardings (the learning rate replicated, as the
+    step counter); the train state is donated."""
     return jax.jit(
         step_fn,
-        in_shardings=(layout.shardings, teacher_shardings, layout.batch_sharding),
+        in_shardings=(layout.shardings, teacher_shardings, layout.batch_sharding, layout.shardings["step"]),
         out_shardings=(layout.shardings, layout.shardings["step"]),
         donate_argnums=(0,),
     )
@@ -361,13 +361,16 @@ def make_train_step(
     teacher_graphdef,
     tx: optax.GradientTransformation,
     settings: LossSettings,
-    schedule: Callable[[Any], Any],
     *,
     step_settings: StepSettings = StepSettings(),
     model_params=None,
     batch_sharding=None,
 ):
-    """step(state, teacher_state, batch) -> (state, metrics); pure, to be wrapped in jax.jit by the caller.
+    """step(state, teacher_state, batch, learning_rate) -> (state, metrics); pure, to be wrapped in jax.jit by the
+    caller. ``learning_rate`` (f32 scalar) is this step's value of the stage's schedule, computed by the caller:
+    it reaches ``tx`` as the ``learning_rate`` extra argument (``make_optimizer``), so the compiled step does not
+    depend on the schedule's lr, warmup or budget, and a run at another budget or learning rate (a sweep, the
+    reproduction's 2x / 4x budgets, a resumed stage given a new lr) reuses the compiled program.
 
     ``model_params``: the trained parameters as the model declares them (arrays or ShapeDtypeStructs; their
     dtypes are what the model computes with). Needed when the master copy differs from them (``uses_master``);
@@ -404,14 +407,14 @@ def make_train_step(
         (grads, metrics), _ = jax.lax.scan(body, (zeros, zero_metrics), (groups, weights))
         return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
 
-    def step(state, teacher_state, batch):
+    def step(state, teacher_state, batch, learning_rate):
         if m == 1:
             (_, metrics), grads = grad_fn(state["params"], state["frozen"], teacher_state, batch, None)
         else:
             grads, metrics = accumulated(state["params"], state["frozen"], teacher_state, batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"], learning_rate=learning_rate)
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=learning_rate)
         new_state = {"params": params, "frozen": state["frozen"], "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
@@ -447,6 +450,24 @@ def mask_updates(mask) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_given_learning_rate() -> optax.GradientTransformationExtraArgs:
+    """u ↦ −η·u, η the ``learning_rate`` extra argument of ``update`` (the step's schedule value, computed by the
+    caller): the learning rate is an input of the compiled step rather than a constant of it. The state counts
+    updates exactly as ``optax.scale_by_schedule``'s (``ScaleByScheduleState``), so an optimizer state saved with a
+    schedule inside the step restores into this one."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, learning_rate, **extra_args):
+        del params, extra_args
+        scaled = jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates)
+        return scaled, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(
     *,
     lr: float,
@@ -466,7 +487,10 @@ def make_optimizer(
     masks before the clipping (they count in neither the global norm nor Adam's moments) and their final update
     (AdamW's decoupled weight decay −lr·wd·θ would move them otherwise): those entries stay exactly as they are.
 
-    Returns (tx, schedule); the schedule is the base lr (a group's is scale × it)."""
+    Returns (tx, schedule); the schedule is the base lr (a group's is scale × it). ``tx.update`` takes the step's
+    learning rate as its ``learning_rate`` extra argument (``scale_by_given_learning_rate``): the caller passes
+    ``schedule(step)``, which is what ``optax.adamw(schedule)`` would compute inside the step (AdamW here is
+    ``optax.adamw``'s own chain — Adam's scaling, the decoupled weight decay, −η — with the same state)."""
     warmup = max(0, min(int(warmup_steps), int(total_steps) - 1))
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=lr * warmup_start_ratio,
@@ -478,7 +502,13 @@ def make_optimizer(
     parts = [mask_updates(update_mask)] if update_mask is not None else []
     if clip_norm and clip_norm > 0:
         parts.append(optax.clip_by_global_norm(clip_norm))
-    parts.append(optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
+    parts.append(
+        optax.chain(
+            optax.scale_by_adam(b1=0.9, b2=b2),
+            optax.add_decayed_weights(weight_decay),
+            scale_by_given_learning_rate(),
+        )
+    )
     if lr_scales is not None and any(lr_scales[g] != 1.0 for g in PARAM_GROUPS):
         parts.append(scale_by_param_group(lr_scales))
     if update_mask is not None:

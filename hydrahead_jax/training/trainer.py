@@ -326,7 +326,6 @@ def _train(
         None if teacher is None else teacher.graphdef,
         tx,
         settings,
-        schedule,
         step_settings=step_settings,
         model_params=layout.model_params,
         batch_sharding=layout.batch_sharding,
@@ -334,6 +333,8 @@ def _train(
     teacher_state = teacher.state if (teacher is not None and settings.needs_teacher) else None
     teacher_sh = teacher.shardings if teacher_state is not None else None
     jstep = jit_train_step(step_fn, layout, teacher_sh)
+    # The schedule's value at every step, on the host: each step gets its own as an argument (make_train_step).
+    learning_rates = np.asarray(schedule(np.arange(steps)), np.float32)
 
     heldout = None
     if spec.heldout is not None and scfg.heldout_rows > 0:
@@ -413,11 +414,11 @@ def _train(
             batch = shd.put_batch(next(iterator), batch_sh)
             with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
                 if compiled is None:  # compile once, report its memory and refuse a step that cannot fit
-                    compiled = jstep.lower(state, teacher_state, batch).compile()
+                    compiled = jstep.lower(state, teacher_state, batch, learning_rates[step]).compile()
                     _check_memory(compiled, spec, step_settings, data_parallel)
                     if step == 0 and heldout_due(0):  # before the first update consumes (donates) the state
                         logger.log_heldout(0, heldout(state))
-                state, device_metrics = compiled(state, teacher_state, batch)
+                state, device_metrics = compiled(state, teacher_state, batch, learning_rates[step])
             done = step + 1
             if pending is not None:
                 metrics = report(*pending)
