@@ -12,7 +12,8 @@ import pytest
 from hydrahead_jax.data import synthetic
 from hydrahead_jax.data.tiny_tokenizer import train_bpe_tokenizer
 from hydrahead_jax.evaluation import ruler
-from hydrahead_jax.evaluation.scoring import string_match_all, wilson_interval
+from hydrahead_jax.evaluation.intervals import wilson_interval
+from hydrahead_jax.evaluation.scoring import string_match_all
 from hydrahead_jax.models.loaders import save_hf_folder
 
 
@@ -50,16 +51,18 @@ def test_string_match_all_by_hand():
 
 def test_wilson_interval_by_hand():
     # p = 0.5, n = 50, z = 1.96: centre (0.5 + z²/100) / (1 + z²/50) = 0.5,
-    # half-width z·sqrt(0.25/50 + z²/10000) / (1 + z²/50) = 1.96 · 0.073377 / 1.076829 = 0.133557
-    lo, hi = wilson_interval(0.5, 50)
-    assert lo == pytest.approx(0.5 - 0.133557, abs=1e-5) and hi == pytest.approx(0.5 + 0.133557, abs=1e-5)
+    # half-width z·sqrt(0.25/50 + z²/10000) / (1 + z²/50) = 1.96 · 0.073377 / 1.076829 = 0.133557; the same for 50
+    # half-credit scores (a sum of 25, RULER's partial credit) as for 25 of 50 right
+    for k in (25, 50 * 0.5):
+        lo, hi = wilson_interval(k, 50)
+        assert lo == pytest.approx(0.5 - 0.133557, abs=1e-5) and hi == pytest.approx(0.5 + 0.133557, abs=1e-5)
     # p = 0: the interval is [0, z²/(n + z²)] = [0, 3.841459/53.841459]
-    lo, hi = wilson_interval(0.0, 50)
+    lo, hi = wilson_interval(0, 50)
     assert lo == pytest.approx(0.0, abs=1e-12) and hi == pytest.approx(3.841459 / 53.841459, rel=1e-6)
-    lo, hi = wilson_interval(1.0, 50)
+    lo, hi = wilson_interval(50, 50)
     assert hi == 1.0 and lo == pytest.approx(50 / 53.841459, rel=1e-6)
-    with pytest.raises(ValueError, match="n > 0"):
-        wilson_interval(0.5, 0)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson_interval(50.5, 50)
 
 
 # ------------------------------------------------------------------------------------------------ prompts

@@ -23,8 +23,10 @@ import numpy as np
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 
 
-def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval (lo, hi) of k successes in n trials (module doc); n = 0 → (0, 1)."""
+def wilson_interval(k: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval (lo, hi) of k successes in n trials (module doc); n = 0 → (0, 1). ``k`` may be a
+    sum of scores in [0, 1] rather than a count (RULER's partial credit): Var(score) ≤ μ(1 − μ), so the binomial
+    variance the interval assumes is an upper bound and it errs on the wide side."""
     if n < 0 or not 0 <= k <= n:
         raise ValueError(f"wilson_interval needs 0 <= k <= n, got k={k}, n={n}.")
     if n == 0:

@@ -19,7 +19,7 @@ Lengths count the prompt plus the tokens the task may generate (RULER's budget: 
 cwe, 50 for fwe), so prompt + generation ≤ the nominal length. Generation is greedy through the decode cache and
 stops at EOS. Score of one sample (RULER's ``string_match_all``): the fraction of the reference answers that occur
 in the generation (case-insensitive substrings); a cell's score is the mean over its samples, with a Wilson 95 %
-interval over the samples (``scoring.wilson_interval``). The RULER average of a model at a length is the mean over
+interval over the samples (``intervals.wilson_interval`` of their sum). The RULER average of a model at a length is the mean over
 tasks, as the paper reports it.
 
 The wording follows RULER's templates for base models (the answer prefix ends the prompt); the text and code are
@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from hydrahead_jax.data import synthetic
-from hydrahead_jax.evaluation.scoring import string_match_all, wilson_interval
+from hydrahead_jax.evaluation.intervals import wilson_interval
+from hydrahead_jax.evaluation.scoring import string_match_all
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 TOKENS_TO_GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}
@@ -261,7 +262,7 @@ def aggregate(samples: list[dict], train_lengths: dict[str, int | None]) -> list
     records = []
     for (model, task, length), scores in sorted(cells.items()):
         mean = float(np.mean(scores))
-        lo, hi = wilson_interval(mean, len(scores))
+        lo, hi = wilson_interval(float(np.sum(scores)), len(scores))
         tl = train_lengths.get(model)
         records.append(
             {

@@ -17,7 +17,6 @@ A model continues the prompt freely, so the generation is first cut to the span 
 
 from __future__ import annotations
 
-import math
 import re
 import string
 
@@ -64,21 +63,3 @@ def string_match_all(prediction: str, references: list[str]) -> float:
         raise ValueError("string_match_all needs at least one reference answer.")
     text = prediction.lower()
     return sum(r.lower() in text for r in references) / len(references)
-
-
-def wilson_interval(p_hat: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson score interval of a proportion observed as ``p_hat`` over ``n`` trials (z = 1.96: 95 %):
-
-        (p̂ + z²/2n ± z·sqrt(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n)
-
-    For a mean of scores in [0, 1] that are not all 0/1 (RULER's partial credit), Var(score) ≤ μ(1 − μ), so the
-    binomial variance this assumes is an upper bound and the interval errs on the wide side.
-    """
-    if n <= 0:
-        raise ValueError(f"wilson_interval needs n > 0 trials, got {n}.")
-    if not 0.0 <= p_hat <= 1.0:
-        raise ValueError(f"wilson_interval: p_hat={p_hat} is not a proportion in [0, 1].")
-    z2 = z * z
-    centre = p_hat + z2 / (2 * n)
-    half = z * math.sqrt(p_hat * (1 - p_hat) / n + z2 / (4 * n * n))
-    return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
