@@ -459,6 +459,8 @@ def test_the_step_takes_its_learning_rate_so_rates_and_budgets_share_one_program
 
     reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95))
     theta, opt = params, reference.init(params)
+    # the optimizer state has the reference's structure: states saved with the schedule inside the step restore
+    assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(opt)
     loss = jax.jit(jax.grad(lambda p: compute_loss(nnx.merge(graphdef, p, frozen), None, batch, settings)[0]))
     for i in range(3):
         state, metrics = step(state, None, batch, schedule(i))

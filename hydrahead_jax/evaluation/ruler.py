@@ -19,8 +19,8 @@ Lengths count the prompt plus the tokens the task may generate (RULER's budget: 
 cwe, 50 for fwe), so prompt + generation ≤ the nominal length. Generation is greedy through the decode cache and
 stops at EOS. Score of one sample (RULER's ``string_match_all``): the fraction of the reference answers that occur
 in the generation (case-insensitive substrings); a cell's score is the mean over its samples, with a Wilson 95 %
-interval over the samples (``intervals.wilson_interval`` of their sum). The RULER average of a model at a length is the mean over
-tasks, as the paper reports it.
+interval over the samples (``intervals.wilson_interval`` of their sum). The RULER average of a model at a length is
+the mean over tasks, as the paper reports it.
 
 The wording follows RULER's templates for base models (the answer prefix ends the prompt); the text and code are
 this package's own.

@@ -412,13 +412,14 @@ def _train(
                     f"{kept[-1] if kept else '(none)'} is in {ckpt.directory}. Rerun the same command to resume."
                 )
             batch = shd.put_batch(next(iterator), batch_sh)
+            learning_rate = jax.device_put(learning_rates[step], state_sh["step"])  # replicated, as the step count
             with jax.set_mesh(mesh):  # the model's kernels shard_map over the ambient mesh (models/kernel_sharding)
                 if compiled is None:  # compile once, report its memory and refuse a step that cannot fit
-                    compiled = jstep.lower(state, teacher_state, batch, learning_rates[step]).compile()
+                    compiled = jstep.lower(state, teacher_state, batch, learning_rate).compile()
                     _check_memory(compiled, spec, step_settings, data_parallel)
                     if step == 0 and heldout_due(0):  # before the first update consumes (donates) the state
                         logger.log_heldout(0, heldout(state))
-                state, device_metrics = compiled(state, teacher_state, batch, learning_rates[step])
+                state, device_metrics = compiled(state, teacher_state, batch, learning_rate)
             done = step + 1
             if pending is not None:
                 metrics = report(*pending)
