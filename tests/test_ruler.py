@@ -231,10 +231,93 @@ def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
         r = recs[(task, 512)]
         mine = [s["score"] for s in samples if s["task"] == task]
         assert r["n"] == 2 and r["value"] == pytest.approx(np.mean(mine))
-        assert tuple(r["ci95"]) == pytest.approx(wilson_interval(r["value"], 2))
+        assert tuple(r["ci95"]) == pytest.approx(wilson_interval(sum(mine), 2))
     assert recs[("average", 512)]["value"] == pytest.approx(
         np.mean([recs[(t, 512)]["value"] for t in ("niah_single_2", "vt", "fwe")])
     )
     report = (out / "report.md").read_text()
     assert "## RULER" in report and "| niah_single_2 |" in report and "ruler_vs_length.png" in report
     assert (out / "ruler_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------ --combine
+
+
+def _finished_run(folder, length, scores, *, model="teacher:t", digest="d0", seed=0, layers=2):
+    """The results.json and journal header of a finished RULER run of ``model`` at ``length``: niah_single_1 with
+    the given per-prompt scores (what eval.py writes, without running a model)."""
+    settings = {"suites": ["ruler:niah_single_1"], "seed": seed, "retrieval_lengths": [length]}
+    settings |= {"ruler_lengths": [length], "ruler_samples": len(scores), "ppl_lengths": [length]}
+    samples = [
+        {"model": model, "task": "niah_single_1", "nominal_length": length, "sample": i, "score": s}
+        for i, s in enumerate(scores)
+    ]
+    entry = {"name": model, "spec": model, "kind": "teacher", "train_length": None, "params": 10}
+    entry |= {"config": {"num_layers": layers}, "fa_groups": 2, "kv_groups": 2, "fa_groups_per_layer": [1, 1]}
+    results = {"settings": settings, "models": [entry], "teacher": model, "results": [], "samples": []}
+    results |= {"ruler": ruler.aggregate(samples, {}), "ruler_samples": samples, "skipped": [], "notes": []}
+    results |= {"seconds": [], "environment": {"backend": "cpu", "device": "cpu"}}
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    header = {"journal": 1, "settings": settings, "models": [{"name": model, "spec": model, "params": digest}]}
+    (folder / "progress.jsonl").write_text(json.dumps(header) + "\n")
+    return folder
+
+
+def test_combine_reports_each_length_with_its_own_samples(tmp_path, capsys):
+    """eval.py --combine: two runs of one model at 1K (4 prompts) and 2K (10 prompts) become one table, one plot
+    and one results.json whose cells keep their own n and interval; the average is per length."""
+    from hydrahead_jax.evaluation import cli
+
+    a = _finished_run(tmp_path / "a", 1024, [1, 1, 0, 1])
+    b = _finished_run(tmp_path / "b", 2048, [1] * 3 + [0] * 7, seed=10)
+    out = tmp_path / "both"
+    assert cli.main(["--combine", str(a), "--combine", str(b), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    cells = {(r["task"], r["length"]): r for r in res["ruler"]}
+    # By hand (Wilson, z = 1.95996): 3 of 4 -> centre (0.75 + z²/8) / (1 + z²/4) = 0.6275, half-width
+    # z·sqrt(0.75·0.25/4 + z²/64) / (1 + z²/4) = 0.3269; 3 of 10: centre 0.3555, half-width 0.2477.
+    assert cells[("niah_single_1", 1024)]["n"] == 4 and cells[("niah_single_1", 1024)]["value"] == 0.75
+    assert cells[("niah_single_1", 1024)]["ci95"] == pytest.approx([0.3006, 0.9544], abs=1e-4)
+    assert cells[("niah_single_1", 2048)]["n"] == 10 and cells[("niah_single_1", 2048)]["value"] == 0.3
+    assert cells[("niah_single_1", 2048)]["ci95"] == pytest.approx([0.1078, 0.6032], abs=1e-4)
+    assert cells[("average", 1024)]["value"] == 0.75 and cells[("average", 2048)]["value"] == 0.3
+    assert res["settings"]["ruler_lengths"] == [1024, 2048] and res["settings"]["seed"] == [0, 10]
+    assert [c["folder"] for c in res["combined_from"]] == [str(a), str(b)]
+    report = (out / "report.md").read_text()
+    assert "| task | 1024 | 2048 |" in report
+    assert "| niah_single_1 | 0.75 [0.30, 0.95] (n=4) | 0.30 [0.11, 0.60] (n=10) |" in report
+    assert (out / "ruler_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_combine_refuses_what_cannot_be_joined(tmp_path, capsys):
+    """A cell measured in two runs, one name for two models (journal digests differ; without a journal, configs),
+    a folder without results, a single run, --model with --combine, --out among the inputs: each refused with
+    what to do, nothing written."""
+    from hydrahead_jax.evaluation import cli
+
+    a = _finished_run(tmp_path / "a", 1024, [1, 0])
+    again = _finished_run(tmp_path / "again", 1024, [1, 1])
+    other = _finished_run(tmp_path / "other", 2048, [1, 1], digest="d1")
+    unjournaled = _finished_run(tmp_path / "unjournaled", 4096, [1], layers=3)
+    (unjournaled / "progress.jsonl").unlink()  # then the model's kind, size and config identify it
+    out = tmp_path / "out"
+    cases = [
+        ([a, unjournaled], r"model 'teacher:t' of .*/a and of .*/unjournaled differ in config"),
+        ([a, again], r"niah_single_1', 1024\) is measured in both .*/a and .*/again; combine runs of different"),
+        ([a, other], r"model 'teacher:t' of .*/a and of .*/other differ in parameters; combine runs of the same"),
+        ([a, tmp_path / "none"], r"--combine .*/none: no results.json there; give the --out folder"),
+        ([a], r"--combine needs at least two finished runs"),
+    ]
+    for folders, message in cases:
+        assert cli.main([*(x for f in folders for x in ("--combine", str(f))), "--out", str(out)]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert cli.main(["--combine", str(a), "--combine", str(other), "--out", str(a)]) == 2
+    assert "is one of the --combine folders" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--model", "teacher:smollm2-135m", "--combine", str(a), "--out", str(out)])
+    assert stop.value.code == 2 and "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--out", str(out)])
+    assert stop.value.code == 2 and "give --model" in capsys.readouterr().err
+    assert not out.exists()

@@ -7,9 +7,10 @@ import re
 import sys
 from pathlib import Path
 
+from hydrahead_jax.evaluation.combine import combine_results
 from hydrahead_jax.evaluation.journal import JournalError
 from hydrahead_jax.evaluation.models import ModelSpecError, load_model, load_models
-from hydrahead_jax.evaluation.report import write_outputs
+from hydrahead_jax.evaluation.report import write_outputs, write_results
 from hydrahead_jax.evaluation.suite import Settings, Suite, SuiteError, parse_lengths, parse_suite
 
 DEFAULT_SUITE = "niah,passkey,multikey,kv,ppl,agreement,efficiency"
@@ -30,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         action="append",
-        required=True,
         metavar="SPEC",
         help="a model to evaluate (repeatable): an exported folder (runs/x/final), teacher:<source> "
         "(smollm2-135m, a .gguf or an HF folder), an HF folder or .gguf; LABEL=SPEC names it",
@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME=PATH",
         help="held-out text source (repeatable); default: corpus validation split and lee_background",
+    )
+    p.add_argument(
+        "--combine",
+        action="append",
+        metavar="DIR",
+        help="instead of --model: one report (tables, plots, results.json) from the --out folders of finished runs "
+        "(repeatable; e.g. one run per length), each number with its own run's samples",
     )
     p.add_argument("--out", required=True, help="output folder for results.json, report.md and plots")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -141,7 +148,14 @@ def settings_from_args(args) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.model) == bool(args.combine):
+        parser.error(
+            "give --model (models to evaluate) or --combine (finished runs to report together), one of the two, not both"
+        )
+    if args.combine:
+        return combine_runs(args.combine, Path(args.out))
     try:
         settings = settings_from_args(args)
         out = Path(args.out)
@@ -164,4 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {out / 'report.md'}, {out / 'results.json'} and plots"
         + (f"; {len(suite.skipped)} cell(s) skipped, see the report" if suite.skipped else "")
     )
+    return 0
+
+
+def combine_runs(folders: list[str], out: Path) -> int:
+    """``--combine``: the finished runs' results joined (``combine.combine_results``) and written under ``out``."""
+    try:
+        if out.resolve() in {Path(f).resolve() for f in folders}:
+            raise SuiteError(f"--out {out} is one of the --combine folders; write the combined report elsewhere.")
+        if out.exists() and not out.is_dir():
+            raise SuiteError(f"--out {out} exists and is not a folder.")
+        results = combine_results(folders)
+    except SuiteError as err:
+        print(f"eval.py: error: {err}", file=sys.stderr)
+        return 2
+    write_results(results, out)
+    print(f"wrote {out / 'report.md'}, {out / 'results.json'} and plots from {len(folders)} runs")
     return 0

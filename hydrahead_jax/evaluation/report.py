@@ -190,6 +190,13 @@ def write_outputs(suite, out_dir: str | Path) -> dict:
         "memory_source": MEMORY_NOTE,
         "environment": _environment(),
     }
+    return write_results(results, out)
+
+
+def write_results(results: dict, out: Path) -> dict:
+    """results.json, the plots and report.md of a results dict (a suite's, or ``combine.combine_results``') under
+    ``out``; returns ``results``."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
     plots = make_plots(results, out)
     (out / "report.md").write_text(render_report(results, plots))
@@ -298,6 +305,22 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
         f"({results['environment']['device']}).",
         "",
     ]
+    if results.get("combined_from"):
+        lines += ["Combined from finished runs (`eval.py --combine`), each number with the samples of its own run:", ""]
+        lines += _table(
+            ["run", "lengths", "seed", "RULER samples"],
+            [
+                [
+                    f"`{c['folder']}`",
+                    ", ".join(
+                        str(n) for n in sorted({*c["settings"]["retrieval_lengths"], *c["settings"]["ruler_lengths"]})
+                    ),
+                    str(c["settings"]["seed"]),
+                    str(c["settings"].get("ruler_samples")),
+                ]
+                for c in results["combined_from"]
+            ],
+        )
     lines += ["## Models", ""]
     lines += _table(
         ["model", "kind", "parameters", "FA groups / KV groups", "train length"],

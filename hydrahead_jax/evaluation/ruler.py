@@ -353,9 +353,10 @@ def plot(records: list[dict], names: list[str], out: Path, style, train_lengths:
             if not pts:
                 continue
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, marker="o", label=name, **style(name))
+            (line,) = ax.plot(xs, ys, marker="o", label=name, **style(name))
             if all(p[2] for p in pts):
-                ax.fill_between(xs, [p[2][0] for p in pts], [p[2][1] for p in pts], alpha=0.15)
+                band = ([p[2][0] for p in pts], [p[2][1] for p in pts])
+                ax.fill_between(xs, *band, color=line.get_color(), alpha=0.15)
         for tl in sorted(set(train_lengths.values())):
             ax.axvline(tl, color="gray", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
