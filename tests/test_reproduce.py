@@ -37,6 +37,11 @@ def test_only_names_parts_and_runs_are_seed_major():
     assert len(base) == 2 * 5 + 6 * 3 and len(specs) == len(base) + 2 * 3
     assert [s.seed for s in base] == sorted(s.seed for s in base)  # every arm's first seeds come first
     assert {s.arm for s in reproduce.run_specs(study, ["convergence"])} == set(reproduce.PRIMARY)
+    # one primary arm's convergence runs, for two machines or cores sharing a budget's runs
+    one = reproduce.run_specs(study, reproduce.parts_of(["convergence:layer_3to1"]))
+    assert [(s.arm, s.seed, s.scale) for s in one] == [("layer_3to1", seed, 2.0) for seed in range(3)]
+    with pytest.raises(ConfigError, match="parts are"):
+        reproduce.parts_of(["convergence:all_la"])  # not a primary arm: it has no convergence runs
     # a 4x check: the primary arms' 3 seeds again at 4x, after every 2x run
     longer = dataclasses.replace(study, convergence_scales=(2.0, 4.0))
     scales = [s.scale for s in reproduce.run_specs(longer, ["convergence"])]

@@ -171,7 +171,6 @@ def _environment() -> dict:
 def write_outputs(suite, out_dir: str | Path) -> dict:
     """Write results.json, report.md and the plots under ``out_dir``; returns the results dict."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     records = aggregate(suite)
     results = {
         "settings": suite.settings.to_dict(),
@@ -313,7 +312,10 @@ def render_report(results: dict, plots: dict[str, list[str]]) -> str:
                 [
                     f"`{c['folder']}`",
                     ", ".join(
-                        str(n) for n in sorted({*c["settings"]["retrieval_lengths"], *c["settings"]["ruler_lengths"]})
+                        str(n)
+                        for n in sorted(
+                            {*c["settings"].get("retrieval_lengths", []), *c["settings"].get("ruler_lengths", [])}
+                        )
                     ),
                     str(c["settings"]["seed"]),
                     str(c["settings"].get("ruler_samples")),

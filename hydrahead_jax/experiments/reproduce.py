@@ -26,11 +26,12 @@ The study, in order (each part skipped when it finished earlier; a killed part r
 7. claims (``claims.CLAIMS``, fixed before the runs: ``claims.json`` in the workdir is written before the first
    run and a changed claim set is refused) and the report: results.json, report.md, recall_by_length.png.
 
-Splitting: ``--only`` names parts (``teacher``, arm names, ``convergence``); each session runs its parts in its
-workdir (the same one, or its own: the teacher is deterministic from its seed). ``--merge`` names results.json
-files of other workdirs (a merged file must come from the same recipe and the same teacher weights): their runs
-are reported together with this workdir's, and a run recorded there is not run again (so a new machine goes on
-from the committed results); ``--report_only --merge`` only reports.
+Splitting: ``--only`` names parts (``teacher``, arm names, ``convergence``, or one primary arm's convergence runs
+such as ``convergence:layer_3to1``); each session runs its parts in its workdir (the same one, or its own: the
+teacher is deterministic from its seed). ``--merge`` names results.json files of other workdirs (a merged file
+must come from the same recipe and the same teacher weights): their runs are reported together with this
+workdir's, and a run recorded there is not run again (so a new machine goes on from the committed results);
+``--report_only --merge`` only reports.
 """
 
 from __future__ import annotations
@@ -410,10 +411,10 @@ def run_specs(study: Study, parts: list[str]) -> list[RunSpec]:
     arms = [a for a in ARMS if a in parts]
     for seed in range(max(study.seeds, study.other_seeds)):
         specs += [RunSpec(a, seed, 1.0) for a in arms if seed < study.seeds_of(a)]
-    if CONVERGENCE in parts:
-        for scale in study.convergence_scales:
-            for seed in range(study.convergence_seeds):
-                specs += [RunSpec(a, seed, scale) for a in PRIMARY]
+    checked = [a for a in PRIMARY if CONVERGENCE in parts or f"{CONVERGENCE}:{a}" in parts]
+    for scale in study.convergence_scales if checked else ():
+        for seed in range(study.convergence_seeds):
+            specs += [RunSpec(a, seed, scale) for a in checked]
     return specs
 
 
@@ -614,9 +615,12 @@ def accept_teacher(study: Study, workdir: Path, teacher_folder: Path, data: Eval
 
 
 def parts_of(only: list[str]) -> list[str]:
-    every = [TEACHER, *ARMS, CONVERGENCE]
+    """The study's parts named by ``--only`` (all by default), in the study's order. ``convergence:ARM`` is one
+    primary arm's convergence runs (so that two machines or cores share a budget's runs)."""
+    whole = [TEACHER, *ARMS, CONVERGENCE]
     if not only:
-        return every
+        return whole
+    every = [*whole, *(f"{CONVERGENCE}:{a}" for a in PRIMARY)]
     unknown = [p for p in only if p not in every]
     if unknown:
         raise ConfigError(f"--only names {unknown}; the study's parts are {every}.")
@@ -1164,7 +1168,12 @@ def main(argv=None) -> int:
 
     workdir = flags.DEFINE_string("workdir", None, "The study's directory (data, teacher, runs).")
     quick = flags.DEFINE_bool("quick", False, "Tiny sizes, every part of the study (the test suite's run).")
-    only = flags.DEFINE_list("only", [], f"Run only these parts: {TEACHER}, an arm ({', '.join(ARMS)}), {CONVERGENCE}.")
+    only = flags.DEFINE_list(
+        "only",
+        [],
+        f"Run only these parts: {TEACHER}, an arm ({', '.join(ARMS)}), {CONVERGENCE} (both primary arms) or "
+        f"{CONVERGENCE}:ARM (one of them: {', '.join(PRIMARY)}).",
+    )
     report_only = flags.DEFINE_bool("report_only", False, "Write the report from the finished runs; train nothing.")
     merge = flags.DEFINE_list(
         "merge",
