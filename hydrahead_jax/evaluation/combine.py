@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from hydrahead_jax.evaluation import ruler
-from hydrahead_jax.evaluation.journal import NAME as JOURNAL_NAME
+from hydrahead_jax.evaluation.journal import model_digests
 from hydrahead_jax.evaluation.suite import SuiteError
 
 # Settings whose values are lengths: the combined run's are the union.
@@ -35,13 +35,7 @@ def _read(folder: Path) -> tuple[dict, dict[str, str]]:
     missing = {"settings", "models", "results", "environment"} - set(results)
     if missing:
         raise SuiteError(f"--combine {folder}: results.json lacks {sorted(missing)}; it is not an eval.py result.")
-    digests: dict[str, str] = {}
-    journal = folder / JOURNAL_NAME
-    if journal.is_file():
-        with journal.open() as f:
-            header = json.loads(f.readline() or "{}")
-        digests = {m["name"]: m["params"] for m in header.get("models", [])}
-    return results, digests
+    return results, model_digests(folder)
 
 
 def _join_models(runs: list[tuple[Path, dict, dict[str, str]]]) -> list[dict]:

@@ -69,6 +69,17 @@ def _flat(x: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): x}
 
 
+def model_digests(out: str | Path) -> dict[str, str]:
+    """{model name: parameter digest} from the header of the journal in ``out`` (a finished or stopped run's
+    folder); empty where there is no journal."""
+    path = Path(out) / NAME
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        header = json.loads(f.readline() or "{}")
+    return {m["name"]: m["params"] for m in header.get("models", [])}
+
+
 class Journal:
     """``<out>/progress.jsonl`` of the run named by ``header`` (JSON-safe)."""
 
