@@ -139,14 +139,20 @@ def _record(recall: float, kl: float) -> dict:
     return {"mqar_by_pairs": {"64": {"recall": recall}}, "kl": kl}
 
 
-def test_convergence_by_hand():
-    study = reproduce.Study()  # convergence at x2 on 3 seeds; H1's margins 0.03 (recall) and 0.05 (KL)
-    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
-    records = {
+def _base_pairs(head: str, layer: str) -> dict:
+    """Two seeds of both primary arms at the base budget: recall differences 0.80 and 0.60, KL −0.10 on both."""
+    return {
         (head, 0, 1.0): _record(0.90, 0.10),
         (layer, 0, 1.0): _record(0.10, 0.20),
         (head, 1, 1.0): _record(0.80, 0.12),
         (layer, 1, 1.0): _record(0.20, 0.22),
+    }
+
+
+def test_convergence_by_hand():
+    study = reproduce.Study()  # convergence at x2 on 3 seeds; H1's margins 0.03 (recall) and 0.05 (KL)
+    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
+    records = _base_pairs(head, layer) | {
         (head, 0, 2.0): _record(0.95, 0.10),
         (layer, 0, 2.0): _record(0.10, 0.20),
         (head, 1, 2.0): _record(0.85, 0.12),
@@ -182,3 +188,26 @@ def test_convergence_by_hand():
     conv = reproduce.convergence(study, records, 64)
     assert conv["converged"] is True and conv["converged_budget"] == 1.0
     assert reproduce.convergence(study, {}, 64)["converged"] is None
+
+
+def test_primary_claim_by_budget_by_hand():
+    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
+    records = _base_pairs(head, layer) | {
+        ("head_3to1", 0, 1.0): _record(0.99, 0.01),  # not a primary arm: not read
+        (layer, 0, 2.0): _record(0.10, 0.20),  # x2 holds no head-level run: no row
+        (head, 0, 4.0): _record(0.96, 0.09),
+        (layer, 0, 4.0): _record(0.10, 0.20),
+    }
+    rows = reproduce.primary_by_budget(records, 64)
+    assert [(r["budget"], r["n_seeds"]) for r in rows] == [(1.0, 2), (4.0, 1)]
+    base, longer = ({c["metric"]: c for c in r["components"]} for r in rows)
+    # x1: recall differences 0.80 and 0.60; two seeds resample to means 0.6 (1/4), 0.7 (1/2), 0.8 (1/4), so the
+    # 95 % percentile interval is [0.6, 0.8]; KL −0.10 on both seeds. Both lie far above −margin: supported.
+    assert base["mqar64"]["mean_difference"] == pytest.approx(0.70)
+    assert (base["mqar64"]["ci_low"], base["mqar64"]["ci_high"]) == pytest.approx((0.60, 0.80))
+    assert base["kl"]["mean_difference"] == pytest.approx(-0.10)
+    assert rows[0]["decision"] == "supported"
+    # x4: one seed, 0.96 − 0.10 and 0.09 − 0.20: its difference without an interval, undecided
+    assert longer["mqar64"]["mean_difference"] == pytest.approx(0.86) and "ci_low" not in longer["mqar64"]
+    assert longer["kl"]["mean_difference"] == pytest.approx(-0.11)
+    assert rows[1]["decision"] == "undecided"

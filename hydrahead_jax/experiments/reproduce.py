@@ -842,6 +842,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
         ],
         "exploratory": claims_mod.exploratory(base),
         "convergence": convergence(study, records, pairs),
+        "primary_by_budget": primary_by_budget(records, pairs),
         "teacher": {
             "digest": digest,
             "accepted": acceptance["accepted"],
@@ -886,6 +887,30 @@ def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
         "converged": checks[0]["converged"] if checks else None,
         "converged_budget": min(passed) if passed else None,
     }
+
+
+def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
+    """The primary claim (H1) at every budget that holds paired runs of its two arms, one row per budget b
+    (ascending): H1's own test (``claims.decide`` on H1 alone, so no Holm family) on the seeds that finished both
+    arms at b, and per metric the mean difference A − B over those seeds (``mean_difference``; with one seed its
+    only difference, which the test leaves without an estimate). The claims' decisions are the base budget's,
+    fixed before the runs; these rows show how the primary difference stands as the budget grows."""
+    h1 = claims_mod.CLAIMS[0]
+    by_budget: dict[float, dict[str, dict[int, dict]]] = {}
+    for (arm, seed, scale), r in records.items():
+        if arm in (h1.arm_a, h1.arm_b):
+            by_budget.setdefault(scale, {}).setdefault(arm, {})[seed] = summary(r, pairs)
+    rows = []
+    for scale, summaries in sorted(by_budget.items()):
+        (row,) = claims_mod.decide(summaries, claims=(h1,))
+        if not row["n_seeds"]:
+            continue
+        for comp in row["components"]:
+            key, _ = claims_mod.METRICS[comp["metric"]]
+            a, b = (summaries[arm] for arm in (h1.arm_a, h1.arm_b))
+            comp["mean_difference"] = float(np.mean([a[s][key] - b[s][key] for s in comp["seeds"]]))
+        rows.append({"budget": scale} | {k: row[k] for k in ("n_seeds", "decision", "p_support", "components")})
+    return rows
 
 
 def _doubling(study: Study, records: dict, pairs: int, low: float, high: float) -> dict[str, Any]:
@@ -1072,6 +1097,25 @@ def render(results: dict, plots: list[str], study: Study) -> str:
             lines.append(
                 f"| {metric} | {' | '.join(cells)} | {mean} | {_fmt(m['moved'], 4)} | {m['limit']:g} | {within} |"
             )
+    lines += [
+        "",
+        f"## The primary claim ({h1.id}) at each budget",
+        "",
+        f"{h1.id}'s test on each budget's paired seeds ({h1.arm_a} − {h1.arm_b}: the mean difference, its paired "
+        "bootstrap interval and the decision, H1 alone so without the Holm family). The claims above are decided "
+        "at the base budget, as fixed before the runs; this shows where the primary difference goes as training "
+        "grows.",
+        "",
+        "| budget | seeds | " + " | ".join(f"{c.metric} [95 % interval]" for c in h1.components) + " | decision |",
+        "|---|---|" + "---|" * (len(h1.components) + 1),
+    ]
+    for row in results.get("primary_by_budget", []):
+        cells = [
+            f"{_fmt(c['mean_difference'], 4)} [{_fmt(c.get('ci_low'), 4)}, {_fmt(c.get('ci_high'), 4)}]"
+            for c in row["components"]
+        ]
+        decision = row["decision"] + (" (one seed: no test)" if row["n_seeds"] < 2 else "")
+        lines.append(f"| x{row['budget']:g} | {row['n_seeds']} | {' | '.join(cells)} | {decision} |")
     mt = results["machine_time"]
     lines += [
         "",
