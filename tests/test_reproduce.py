@@ -203,6 +203,7 @@ def test_primary_claim_by_budget_by_hand():
     base, longer = ({c["metric"]: c for c in r["components"]} for r in rows)
     # x1: recall differences 0.80 and 0.60; two seeds resample to means 0.6 (1/4), 0.7 (1/2), 0.8 (1/4), so the
     # 95 % percentile interval is [0.6, 0.8]; KL −0.10 on both seeds. Both lie far above −margin: supported.
+    assert base["mqar64"]["per_seed"] == pytest.approx({"0": 0.80, "1": 0.60})
     assert base["mqar64"]["mean_difference"] == pytest.approx(0.70)
     assert (base["mqar64"]["ci_low"], base["mqar64"]["ci_high"]) == pytest.approx((0.60, 0.80))
     assert base["kl"]["mean_difference"] == pytest.approx(-0.10)

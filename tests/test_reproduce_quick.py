@@ -45,7 +45,7 @@ def test_quick_study_killed_mid_arm_resumes_to_a_full_report(tmp_path):
     assert [c["id"] for c in results["claims"]] == ["H1", "H2", "H3", "H4"]
     assert results["claims"][0]["n_seeds"] == 2 and not results["unfinished"]
     assert len(results["runs"]) == 6 and results["teacher"]["accepted"] is False
-    assert (workdir / "results" / "recall_by_length.png").exists()
+    assert all((workdir / "results" / png).exists() for png in ("recall_by_length.png", "primary_by_budget.png"))
     report = (workdir / "results" / "report.md").read_text()
     # H1 at both budgets: x1 on two paired seeds (tested), x2 on one
     assert [r["budget"] for r in results["primary_by_budget"]] == [1.0, 2.0]

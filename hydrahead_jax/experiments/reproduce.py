@@ -860,7 +860,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
     results["machine_time"] = machine_time(results, [s.scale for s in unfinished])
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "results.json", results)
-    plots = [plot_recall(results, out)]
+    plots = [plot_recall(results, out), plot_primary_by_budget(results, out)]
     (out / "report.md").write_text(render(results, plots, study))
     log(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(plots)}")
     return results
@@ -892,9 +892,9 @@ def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
 def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
     """The primary claim (H1) at every budget that holds paired runs of its two arms, one row per budget b
     (ascending): H1's own test (``claims.decide`` on H1 alone, so no Holm family) on the seeds that finished both
-    arms at b, and per metric the mean difference A − B over those seeds (``mean_difference``; with one seed its
-    only difference, which the test leaves without an estimate). The claims' decisions are the base budget's,
-    fixed before the runs; these rows show how the primary difference stands as the budget grows."""
+    arms at b, and per metric each seed's difference A − B (``per_seed``) and their mean (``mean_difference``;
+    with one seed its only difference, which the test leaves without an estimate). The claims' decisions are the
+    base budget's, fixed before the runs; these rows show how the primary difference stands as the budget grows."""
     h1 = claims_mod.CLAIMS[0]
     by_budget: dict[float, dict[str, dict[int, dict]]] = {}
     for (arm, seed, scale), r in records.items():
@@ -908,7 +908,8 @@ def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
         for comp in row["components"]:
             key, _ = claims_mod.METRICS[comp["metric"]]
             a, b = (summaries[arm] for arm in (h1.arm_a, h1.arm_b))
-            comp["mean_difference"] = float(np.mean([a[s][key] - b[s][key] for s in comp["seeds"]]))
+            comp["per_seed"] = {str(s): float(a[s][key] - b[s][key]) for s in comp["seeds"]}
+            comp["mean_difference"] = float(np.mean(list(comp["per_seed"].values())))
         rows.append({"budget": scale} | {k: row[k] for k in ("n_seeds", "decision", "p_support", "components")})
     return rows
 
@@ -1166,6 +1167,45 @@ def plot_recall(results: dict, out: Path) -> str:
     fig.savefig(out / "recall_by_length.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     return "recall_by_length.png"
+
+
+def plot_primary_by_budget(results: dict, out: Path) -> str:
+    """The primary difference (H1: A − B) against the training budget, one panel per metric: each seed's
+    difference (dots), the mean with its bootstrap interval (where two or more seeds), and the claim's
+    non-inferiority bound (dashed): H1 needs the recall difference above −δ and the KL difference below +δ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h1 = claims_mod.CLAIMS[0]
+    rows = results.get("primary_by_budget", [])
+    fig, axes = plt.subplots(1, len(h1.components), figsize=(5 * len(h1.components), 3.8), squeeze=False)
+    for ax, comp in zip(axes[0], h1.components, strict=True):
+        _, sign = claims_mod.METRICS[comp.metric]
+        cells = [(r["budget"], next(c for c in r["components"] if c["metric"] == comp.metric)) for r in rows]
+        for budget, c in cells:
+            ax.scatter([budget] * len(c["per_seed"]), list(c["per_seed"].values()), color="grey", s=12, zorder=2)
+        xs = [b for b, _ in cells]
+        ys = [c["mean_difference"] for _, c in cells]
+        ax.plot(xs, ys, "o-", color="C0", zorder=3, label="mean over seeds")
+        ranged = [(b, c) for b, c in cells if c.get("ci_low") is not None]
+        if ranged:
+            lo = [c["mean_difference"] - c["ci_low"] for _, c in ranged]
+            hi = [c["ci_high"] - c["mean_difference"] for _, c in ranged]
+            mids = [c["mean_difference"] for _, c in ranged]
+            ax.errorbar([b for b, _ in ranged], mids, yerr=[lo, hi], fmt="none", color="C0", capsize=4, zorder=3)
+        ax.axhline(-sign * comp.margin, color="C3", ls="--", label=f"bound ({-sign * comp.margin:+g})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"x{b:g}" for b in xs])
+        ax.set_xlabel("training budget (× the study's steps)")
+        ax.set_ylabel(f"{comp.metric}: {h1.arm_a} − {h1.arm_b}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "primary_by_budget.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return "primary_by_budget.png"
 
 
 # ------------------------------------------------------------------------------------------------ measurement
