@@ -212,3 +212,17 @@ def test_primary_claim_by_budget_by_hand():
     assert longer["mqar64"]["mean_difference"] == pytest.approx(0.86) and "ci_low" not in longer["mqar64"]
     assert longer["kl"]["mean_difference"] == pytest.approx(-0.11)
     assert rows[1]["decision"] == "undecided"
+
+
+def test_the_report_renders_the_committed_study_and_a_check_without_seeds():
+    """report.md from the committed results.json: every budget's H1 row, and a doubling that no seed has finished
+    at both budgets yet said in words (no empty table)."""
+    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "reproduction" / "results.json"
+    results = json.loads(committed.read_text())
+    results["convergence"]["checks"].append({"from": 8.0, "scale": 16.0, "seeds": [], "metrics": {}, "converged": None})
+    text = reproduce.render(results, ["primary_by_budget.png"], reproduce.Study())
+    assert "x8 → x16: no seed has finished both primary arms at both budgets yet." in text
+    assert "x8 → x16: within" not in text
+    for row in results["primary_by_budget"]:
+        assert f"| x{row['budget']:g} | {row['n_seeds']} | " in text
+    assert "| x1 | 5 | " in text and "![primary_by_budget.png](primary_by_budget.png)" in text

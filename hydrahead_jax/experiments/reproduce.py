@@ -1084,6 +1084,9 @@ def render(results: dict, plots: list[str], study: Study) -> str:
     for check in conv["checks"]:
         low, high = f"x{check['from']:g}", f"x{check['scale']:g}"
         seeds = [str(s) for s in check["seeds"]]
+        if not seeds:
+            lines += ["", f"{low} → {high}: no seed has finished both primary arms at both budgets yet."]
+            continue
         lines += [
             "",
             f"{low} → {high}: within **{check['converged']}**",
