@@ -889,6 +889,14 @@ def convergence(study: Study, records: dict, pairs: int) -> dict[str, Any]:
     }
 
 
+def _primary_difference(records: dict, pairs: int, seed: int, budget: float, metric: str) -> float:
+    """H1's A − B on ``metric`` (a key of claims.METRICS) for one seed at one budget, in the metric's own units."""
+    h1 = claims_mod.CLAIMS[0]
+    key, _ = claims_mod.METRICS[metric]
+    a, b = (summary(records[(arm, seed, budget)], pairs)[key] for arm in (h1.arm_a, h1.arm_b))
+    return float(a - b)
+
+
 def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
     """The primary claim (H1) at every budget that holds paired runs of its two arms, one row per budget b
     (ascending): H1's own test (``claims.decide`` on H1 alone, so no Holm family) on the seeds that finished both
@@ -906,9 +914,9 @@ def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
         if not row["n_seeds"]:
             continue
         for comp in row["components"]:
-            key, _ = claims_mod.METRICS[comp["metric"]]
-            a, b = (summaries[arm] for arm in (h1.arm_a, h1.arm_b))
-            comp["per_seed"] = {str(s): float(a[s][key] - b[s][key]) for s in comp["seeds"]}
+            comp["per_seed"] = {
+                str(s): _primary_difference(records, pairs, s, scale, comp["metric"]) for s in comp["seeds"]
+            }
             comp["mean_difference"] = float(np.mean(list(comp["per_seed"].values())))
         rows.append({"budget": scale} | {k: row[k] for k in ("n_seeds", "decision", "p_support", "components")})
     return rows
@@ -927,13 +935,10 @@ def _doubling(study: Study, records: dict, pairs: int, low: float, high: float) 
         return out
     verdicts = []
     for comp in h1.components:
-        key, _ = claims_mod.METRICS[comp.metric]
-
-        def difference(seed, budget, key=key):
-            a, b = (summary(records[(arm, seed, budget)], pairs)[key] for arm in (h1.arm_a, h1.arm_b))
-            return float(a - b)
-
-        per_seed = {str(s): {f"x{b:g}": difference(s, b) for b in (low, high)} for s in seeds}
+        per_seed = {
+            str(s): {f"x{b:g}": _primary_difference(records, pairs, s, b, comp.metric) for b in (low, high)}
+            for s in seeds
+        }
         diffs = {f"x{b:g}": float(np.mean([d[f"x{b:g}"] for d in per_seed.values()])) for b in (low, high)}
         moved = abs(diffs[f"x{high:g}"] - diffs[f"x{low:g}"])
         verdicts.append(moved < comp.margin / 2)
