@@ -15,7 +15,13 @@ import pytest
 from train_helpers import ROOT, single_device_env
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.experiments.compare import derive_head_map, load_variants, run_comparison, select_variants
+from hydrahead_jax.experiments.compare import (
+    StageTimings,
+    derive_head_map,
+    load_variants,
+    run_comparison,
+    select_variants,
+)
 from hydrahead_jax.experiments.report import pareto_front, render_markdown, summary_rows
 
 
@@ -306,6 +312,56 @@ def test_prune_checkpoints_deletes_steps_and_markers_only(tmp_path):
     assert sorted(p.name for p in stage.iterdir()) == ["heldout.json", "memory.json"]
     assert (vdir / "final" / "params").read_bytes() == b"z"
     assert prune_checkpoints(vdir) == 0
+
+
+# ------------------------------------------------------------------------------------------------ stage timings
+
+
+def test_a_killed_stage_keeps_its_time_up_to_its_last_metrics_row(tmp_path):
+    """A stage killed outright (SIGKILL: no way out) still counts: the next run adds its time from its start to the
+    last row its process wrote, and a later run of the stage adds to that."""
+    vdir = tmp_path / "variant"
+    killed_run = f"""
+import os, signal
+from pathlib import Path
+from hydrahead_jax.experiments.compare import StageTimings
+timings = StageTimings(Path({str(vdir)!r}))
+with timings.stage("stage1_align"):
+    pass
+with timings.stage("stage2_distil"):
+    (Path({str(vdir)!r}) / "metrics.jsonl").write_text("{{}}\\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", killed_run], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    recorded = json.loads((vdir / "timings.json").read_text())
+    assert set(recorded) == {"stage1_align"}  # the killed stage wrote nothing on its way out
+    marker = json.loads((vdir / "stage_running.json").read_text())
+    assert marker["stage"] == "stage2_distil" and marker["seconds_before"] == 0.0
+    # its last metrics row written 100 s after the stage started (set by hand): 100 s recovered, once
+    os.utime(vdir / "metrics.jsonl", (marker["since"] + 100.0, marker["since"] + 100.0))
+    timings = StageTimings(vdir)
+    assert timings.seconds == {**recorded, "stage2_distil": 100.0}
+    assert json.loads((vdir / "timings.json").read_text()) == timings.seconds
+    assert not (vdir / "stage_running.json").exists()
+    with timings.stage("stage2_distil"):
+        pass
+    assert 100.0 <= StageTimings(vdir).seconds["stage2_distil"] <= 100.1
+
+
+def test_a_stage_killed_after_writing_its_time_is_not_counted_twice(tmp_path):
+    """Killed between adding its time and removing its marker: the stage holds more than the marker says it had
+    before, so the marker adds nothing."""
+    vdir = tmp_path / "variant"
+    vdir.mkdir()
+    (vdir / "timings.json").write_text(json.dumps({"stage2_distil": 12.0}))
+    (vdir / "stage_running.json").write_text(
+        json.dumps({"stage": "stage2_distil", "since": 1_000.0, "seconds_before": 5.0})
+    )
+    (vdir / "metrics.jsonl").write_text("{}\n")
+    os.utime(vdir / "metrics.jsonl", (1_100.0, 1_100.0))
+    assert StageTimings(vdir).seconds == {"stage2_distil": 12.0}
+    assert not (vdir / "stage_running.json").exists()
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -29,7 +29,8 @@ Layout of the workdir::
     teacher/eval.json       the teacher's evaluation (run once, shared)
     variants/<name>/        a normal run workdir (run_pipeline: checkpoints, metrics.jsonl, final/; the stage
                             checkpoints are deleted once the variant is finished unless keep_checkpoints), plus
-        timings.json        wall seconds per stage (summed over reruns)
+        timings.json        wall seconds per stage (summed over reruns; StageTimings)
+        stage_running.json  the stage running now and its start (what a killed run's time is recovered from)
         eval_init.json      the student at initialisation (before stage 1), evaluated
         eval.json           the trained student, evaluated; its config_hash marks the variant finished
     results.json, report.md, pareto.png, loss_curves.png
@@ -49,6 +50,7 @@ from the model's decode cache (``evaluation.tasks.cache_sizes``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -540,6 +542,45 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
+class StageTimings:
+    """Wall seconds per stage of one variant (``timings.json``), summed over reruns.
+
+    A stage that ends, raises or is stopped (SIGTERM) adds its time on the way out. A process killed outright (SIGKILL,
+    a lost machine) cannot, so each stage first records when it starts (``stage_running.json``: the stage, its
+    start as epoch seconds, and the seconds it had before); the next run that opens the variant adds to that stage
+    the time from its start to the last write of ``metrics.jsonl`` (a row per training step), a lower bound that
+    misses only what the killed process did after its last row. A marker whose stage already holds more than it
+    had before is one the stage's own exit wrote past (killed between the two writes) and adds nothing."""
+
+    def __init__(self, vdir: Path):
+        self.path, self.marker, self.heartbeat = (
+            vdir / "timings.json",
+            vdir / "stage_running.json",
+            vdir / "metrics.jsonl",
+        )
+        self.seconds: dict[str, float] = _read_json(self.path) or {}
+        killed = _read_json(self.marker)
+        if killed:
+            if self.seconds.get(killed["stage"], 0.0) == killed["seconds_before"] and self.heartbeat.exists():
+                self._add(killed["stage"], max(0.0, self.heartbeat.stat().st_mtime - killed["since"]))
+            self.marker.unlink()
+
+    def _add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + seconds, 1)
+        _write_json(self.path, self.seconds)
+
+    @contextlib.contextmanager
+    def stage(self, stage: str):
+        before = self.seconds.get(stage, 0.0)
+        _write_json(self.marker, {"stage": stage, "since": time.time(), "seconds_before": before})
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add(stage, time.perf_counter() - t0)
+            self.marker.unlink(missing_ok=True)
+
+
 def _stage_finished(run: RunConfig, vdir: Path, stage: str) -> bool:
     from hydrahead_jax.training.checkpoint import finished_step
 
@@ -672,17 +713,15 @@ def _run_locked(
             )
         else:
             variant_start = time.perf_counter()
-            timings = _read_json(vdir / "timings.json") or {}
+            timings = StageTimings(vdir)
             for stage in STAGE_ORDER:
                 if _stage_finished(run, vdir, stage):
                     continue
                 print(f"[compare] {k}/{len(variants)} {variant.name}: stage {stage}", flush=True)
-                t0 = time.perf_counter()
                 try:
-                    run_stage(run, vdir, stage)
+                    with timings.stage(stage):
+                        run_stage(run, vdir, stage)
                 finally:
-                    timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - t0, 1)
-                    _write_json(vdir / "timings.json", timings)
                     release_compiled()  # the stage's executables do not run again (compilation.py)
                 if stage == SELECT and not (vdir / "eval_init.json").exists():
                     init = _eval_at_init(models, variant, run, vdir, settings, ids)

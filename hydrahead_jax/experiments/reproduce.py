@@ -53,6 +53,7 @@ from hydrahead_jax.data.mqar import MQARSymbols, check_shape, mqar_batch
 from hydrahead_jax.experiments import claims as claims_mod
 from hydrahead_jax.experiments.compare import (
     STAGE_ORDER,
+    StageTimings,
     _finished,
     _read_json,
     _stage_finished,
@@ -724,17 +725,13 @@ def _run_locked(study: Study, workdir: Path, parts: list[str], merge: list[str |
             log(f"{k}/{len(specs)} {spec.name}: finished earlier, skipped")
             continue
         t0 = time.perf_counter()
-        timings = _read_json(vdir / "timings.json") or {}
+        timings = StageTimings(vdir)
         for stage in STAGE_ORDER:
             if _stage_finished(run, vdir, stage):
                 continue
             log(f"{k}/{len(specs)} {spec.name}: stage {stage}")
-            s0 = time.perf_counter()
-            try:
+            with timings.stage(stage):
                 run_stage(run, vdir, stage)
-            finally:
-                timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - s0, 1)
-                _write_json(vdir / "timings.json", timings)
         from hydrahead_jax.export import load_hydrahead
 
         student, _ = load_hydrahead(vdir / "final")
