@@ -1,6 +1,7 @@
 """The comparison command (hydrahead_jax.experiments.compare): variants refused before training, head maps derived
-from one probe's scores, the Pareto front and group statistics against hand computations, and the tiny recipe end
-to end in a subprocess (one CPU device): killed mid-run, resumed, then rerun with every variant skipped."""
+from one probe's scores, the Pareto front and group statistics against hand computations, stage times that survive a
+SIGKILL, and the tiny recipe end to end in a subprocess (one CPU device): killed mid-run, resumed, then rerun with
+every variant skipped."""
 
 import json
 import math
@@ -346,7 +347,7 @@ with timings.stage("stage2_distil"):
     assert not (vdir / "stage_running.json").exists()
     with timings.stage("stage2_distil"):
         pass
-    assert 100.0 <= StageTimings(vdir).seconds["stage2_distil"] <= 100.1
+    assert 100.0 <= StageTimings(vdir).seconds["stage2_distil"] <= 100.1  # an empty stage: < 0.05 s, kept to 0.1 s
 
 
 def test_a_stage_killed_after_writing_its_time_is_not_counted_twice(tmp_path):
