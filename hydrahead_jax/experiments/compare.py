@@ -553,11 +553,9 @@ class StageTimings:
     had before is one the stage's own exit wrote past (killed between the two writes) and adds nothing."""
 
     def __init__(self, vdir: Path):
-        self.path, self.marker, self.heartbeat = (
-            vdir / "timings.json",
-            vdir / "stage_running.json",
-            vdir / "metrics.jsonl",
-        )
+        self.path = vdir / "timings.json"
+        self.marker = vdir / "stage_running.json"
+        self.heartbeat = vdir / "metrics.jsonl"
         self.seconds: dict[str, float] = _read_json(self.path) or {}
         killed = _read_json(self.marker)
         if killed:
