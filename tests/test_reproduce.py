@@ -197,10 +197,12 @@ def test_primary_claim_by_budget_by_hand():
         (layer, 0, 2.0): _record(0.10, 0.20),  # x2 holds no head-level run: no row
         (head, 0, 4.0): _record(0.96, 0.09),
         (layer, 0, 4.0): _record(0.10, 0.20),
+        (head, 0, 8.0): _record(0.985, 0.04),
+        (layer, 0, 8.0): _record(0.30, 0.30),
     }
     rows = reproduce.primary_by_budget(records, 64)
-    assert [(r["budget"], r["n_seeds"]) for r in rows] == [(1.0, 2), (4.0, 1)]
-    base, longer = ({c["metric"]: c for c in r["components"]} for r in rows)
+    assert [(r["budget"], r["n_seeds"]) for r in rows] == [(1.0, 2), (4.0, 1), (8.0, 1)]
+    base, longer, longest = ({c["metric"]: c for c in r["components"]} for r in rows)
     # x1: recall differences 0.80 and 0.60; two seeds resample to means 0.6 (1/4), 0.7 (1/2), 0.8 (1/4), so the
     # 95 % percentile interval is [0.6, 0.8]; KL −0.10 on both seeds. Both lie far above −margin: supported.
     assert base["mqar64"]["per_seed"] == pytest.approx({"0": 0.80, "1": 0.60})
@@ -212,6 +214,14 @@ def test_primary_claim_by_budget_by_hand():
     assert longer["mqar64"]["mean_difference"] == pytest.approx(0.86) and "ci_low" not in longer["mqar64"]
     assert longer["kl"]["mean_difference"] == pytest.approx(-0.11)
     assert rows[1]["decision"] == "undecided"
+    # With layer-wise at perfect recall and KL 0, head-level's least favourable seed: at x1 recall min(0.90, 0.80)
+    # − 1 = −0.20 and KL max(0.10, 0.12) − 0 = +0.12, both outside the margins (0.03, 0.05); at x4 0.96 − 1 = −0.04
+    # (outside) and +0.09; at x8 0.985 − 1 = −0.015 > −0.03 and +0.04 < 0.05, both inside.
+    assert base["mqar64"]["worst_case"] == pytest.approx(-0.20) and base["kl"]["worst_case"] == pytest.approx(0.12)
+    assert not base["mqar64"]["holds_at_worst"] and not base["kl"]["holds_at_worst"]
+    assert longer["mqar64"]["worst_case"] == pytest.approx(-0.04) and not longer["mqar64"]["holds_at_worst"]
+    assert longest["mqar64"]["worst_case"] == pytest.approx(-0.015) and longest["mqar64"]["holds_at_worst"]
+    assert longest["kl"]["worst_case"] == pytest.approx(0.04) and longest["kl"]["holds_at_worst"]
 
 
 def test_the_report_renders_the_committed_study_and_a_check_without_seeds():
@@ -226,3 +236,4 @@ def test_the_report_renders_the_committed_study_and_a_check_without_seeds():
     for row in results["primary_by_budget"]:
         assert f"| x{row['budget']:g} | {row['n_seeds']} | " in text
     assert "| x1 | 5 | " in text and "![primary_by_budget.png](primary_by_budget.png)" in text
+    assert "| mqar64 with B at its best | kl with B at its best |" in text

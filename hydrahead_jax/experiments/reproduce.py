@@ -894,12 +894,21 @@ def _primary_difference(records: dict, pairs: int, seed: int, budget: float, met
     return float(a - b)
 
 
+# the best value any arm can reach on a metric: perfect recall, a student equal to its teacher
+METRIC_BEST = {"mqar64": 1.0, "kl": 0.0}
+
+
 def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
     """The primary claim (H1) at every budget that holds paired runs of its two arms, one row per budget b
     (ascending): H1's own test (``claims.decide`` on H1 alone, so no Holm family) on the seeds that finished both
     arms at b, and per metric each seed's difference A − B (``per_seed``) and their mean (``mean_difference``;
     with one seed its only difference, which the test leaves without an estimate). The claims' decisions are the
-    base budget's, fixed before the runs; these rows show how the primary difference stands as the budget grows."""
+    base budget's, fixed before the runs; these rows show how the primary difference stands as the budget grows.
+
+    Per metric also the difference left if arm B reached the metric's best value (``METRIC_BEST``) and A stayed
+    where it is, on A's least favourable seed: ``worst_case`` = min_s A(s) − best for recall, max_s A(s) − best for
+    KL; ``holds_at_worst`` says whether even that stays inside the margin (sign · worst_case > −δ), i.e. whether
+    more training of B alone could overturn this component's decision at this budget."""
     h1 = claims_mod.CLAIMS[0]
     by_budget: dict[float, dict[str, dict[int, dict]]] = {}
     for (arm, seed, scale), r in records.items():
@@ -915,6 +924,11 @@ def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
                 str(s): _primary_difference(records, pairs, s, scale, comp["metric"]) for s in comp["seeds"]
             }
             comp["mean_difference"] = float(np.mean(list(comp["per_seed"].values())))
+            key, sign = claims_mod.METRICS[comp["metric"]]
+            worst_a = min(sign * summaries[h1.arm_a][s][key] for s in comp["seeds"]) * sign
+            margin = next(c.margin for c in h1.components if c.metric == comp["metric"])
+            comp["worst_case"] = float(worst_a - METRIC_BEST[comp["metric"]])
+            comp["holds_at_worst"] = bool(sign * comp["worst_case"] > -margin)
         rows.append({"budget": scale} | {k: row[k] for k in ("n_seeds", "decision", "p_support", "components")})
     return rows
 
@@ -1110,18 +1124,31 @@ def render(results: dict, plots: list[str], study: Study) -> str:
         f"{h1.id}'s test on each budget's paired seeds ({h1.arm_a} − {h1.arm_b}: the mean difference, its paired "
         "bootstrap interval and the decision, H1 alone so without the Holm family). The claims above are decided "
         "at the base budget, as fixed before the runs; this shows where the primary difference goes as training "
-        "grows.",
+        "grows. *With B at its best*: the difference if "
+        f"{h1.arm_b} reached the metric's best value (recall 1, KL 0) while {h1.arm_a} stayed where it is on its "
+        "least favourable seed, and whether that still lies inside the margin: where it does, no further training "
+        f"of {h1.arm_b} alone can overturn that part of the decision.",
         "",
-        "| budget | seeds | " + " | ".join(f"{c.metric} [95 % interval]" for c in h1.components) + " | decision |",
-        "|---|---|" + "---|" * (len(h1.components) + 1),
+        "| budget | seeds | "
+        + " | ".join(f"{c.metric} [95 % interval]" for c in h1.components)
+        + " | decision | "
+        + " | ".join(f"{c.metric} with B at its best" for c in h1.components)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(h1.components) + 1),
     ]
     for row in results.get("primary_by_budget", []):
         cells = [
             f"{_fmt(c['mean_difference'], 4)} [{_fmt(c.get('ci_low'), 4)}, {_fmt(c.get('ci_high'), 4)}]"
             for c in row["components"]
         ]
+        worst = [
+            f"{c['worst_case']:+.4f} ({'inside' if c['holds_at_worst'] else 'outside'} the margin)"
+            for c in row["components"]
+        ]
         decision = row["decision"] + (" (one seed: no test)" if row["n_seeds"] < 2 else "")
-        lines.append(f"| x{row['budget']:g} | {row['n_seeds']} | {' | '.join(cells)} | {decision} |")
+        lines.append(
+            f"| x{row['budget']:g} | {row['n_seeds']} | {' | '.join(cells)} | {decision} | {' | '.join(worst)} |"
+        )
     mt = results["machine_time"]
     lines += [
         "",
