@@ -907,8 +907,8 @@ def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
 
     Per metric also the difference left if arm B reached the metric's best value (``METRIC_BEST``) and A stayed
     where it is, on A's least favourable seed: ``worst_case`` = min_s A(s) − best for recall, max_s A(s) − best for
-    KL; ``holds_at_worst`` says whether even that stays inside the margin (sign · worst_case > −δ), i.e. whether
-    more training of B alone could overturn this component's decision at this budget."""
+    KL; ``holds_at_worst``: whether even that stays inside the margin (sign · worst_case > −δ), i.e. whether this
+    component's decision at this budget stands whatever further training does to B alone."""
     h1 = claims_mod.CLAIMS[0]
     by_budget: dict[float, dict[str, dict[int, dict]]] = {}
     for (arm, seed, scale), r in records.items():
@@ -1125,7 +1125,8 @@ def render(results: dict, plots: list[str], study: Study) -> str:
         "bootstrap interval and the decision, H1 alone so without the Holm family). The claims above are decided "
         "at the base budget, as fixed before the runs; this shows where the primary difference goes as training "
         "grows. *With B at its best*: the difference if "
-        f"{h1.arm_b} reached the metric's best value (recall 1, KL 0) while {h1.arm_a} stayed where it is on its "
+        f"{h1.arm_b} reached the metric's best value ({', '.join(f'{m} {v:g}' for m, v in METRIC_BEST.items())}) "
+        f"while {h1.arm_a} stayed where it is on its "
         "least favourable seed, and whether that still lies inside the margin: where it does, no further training "
         f"of {h1.arm_b} alone can overturn that part of the decision.",
         "",
