@@ -1204,8 +1204,9 @@ def plot_recall(results: dict, out: Path) -> str:
 
 def plot_primary_by_budget(results: dict, out: Path) -> str:
     """The primary difference (H1: A − B) against the training budget, one panel per metric: each seed's
-    difference (dots), the mean with its bootstrap interval (where two or more seeds), and the claim's
-    non-inferiority bound (dashed): H1 needs the recall difference above −δ and the KL difference below +δ."""
+    difference (dots), the mean with its bootstrap interval (where two or more seeds), the difference left if arm B
+    reached the metric's best value (triangles: ``worst_case``), and the claim's non-inferiority bound (dashed):
+    H1 needs the recall difference above −δ and the KL difference below +δ."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1228,6 +1229,9 @@ def plot_primary_by_budget(results: dict, out: Path) -> str:
             hi = [c["ci_high"] - c["mean_difference"] for _, c in ranged]
             mids = [c["mean_difference"] for _, c in ranged]
             ax.errorbar([b for b, _ in ranged], mids, yerr=[lo, hi], fmt="none", color="C0", capsize=4, zorder=3)
+        worst = [(b, c["worst_case"]) for b, c in cells if "worst_case" in c]
+        if worst:
+            ax.plot(*zip(*worst), "v:", color="C1", zorder=3, label=f"{h1.arm_b} at its best")
         ax.axhline(-sign * comp.margin, color="C3", ls="--", label=f"bound ({-sign * comp.margin:+g})")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"x{b:g}" for b in xs])
