@@ -925,10 +925,10 @@ def primary_by_budget(records: dict, pairs: int) -> list[dict[str, Any]]:
             }
             comp["mean_difference"] = float(np.mean(list(comp["per_seed"].values())))
             key, sign = claims_mod.METRICS[comp["metric"]]
-            worst_a = min(sign * summaries[h1.arm_a][s][key] for s in comp["seeds"]) * sign
-            margin = next(c.margin for c in h1.components if c.metric == comp["metric"])
+            a_values = [summaries[h1.arm_a][s][key] for s in comp["seeds"]]
+            worst_a = min(a_values) if sign > 0 else max(a_values)
             comp["worst_case"] = float(worst_a - METRIC_BEST[comp["metric"]])
-            comp["holds_at_worst"] = bool(sign * comp["worst_case"] > -margin)
+            comp["holds_at_worst"] = bool(sign * comp["worst_case"] > -comp["margin"])
         rows.append({"budget": scale} | {k: row[k] for k in ("n_seeds", "decision", "p_support", "components")})
     return rows
 
