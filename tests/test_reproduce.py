@@ -224,6 +224,37 @@ def test_primary_claim_by_budget_by_hand():
     assert longest["kl"]["worst_case"] == pytest.approx(0.04) and longest["kl"]["holds_at_worst"]
 
 
+def test_arm_table_at_a_budget_by_hand():
+    def run(arm, seed, scale, recall, kl):
+        return {
+            "run": {"arm": arm, "seed": seed, "scale": scale},
+            "mqar_by_pairs": {"64": {"recall": recall}},
+            "kl": kl,
+            "niah": {"accuracy": 0.0},
+            "kv_bytes_per_token": 512,
+            "fa_groups": [[0], [], [1, 2]],
+        }
+
+    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
+    results = {
+        "headline_pairs": 64,
+        "runs": [
+            run(head, 0, 1.0, 0.5, 0.5),  # another budget: not read at x4
+            run(head, 0, 4.0, 0.9, 0.20),
+            run(head, 1, 4.0, 0.8, 0.10),
+            run(layer, 2, 4.0, 0.3, 0.40),  # one seed: no spread
+            run("all_la", 0, 4.0, 0.0, 1.0),  # not asked for
+        ],
+    }
+    table = reproduce.arm_table(results, 4.0, (head, layer))
+    assert list(table) == [head, layer]
+    # recall 0.9 and 0.8: mean 0.85, sample std sqrt(2 x 0.05^2 / 1) = 0.0707; KL 0.20 and 0.10: 0.15 ± 0.0707
+    assert table[head]["seeds"] == 2 and table[head]["mqar"] == pytest.approx((0.85, 0.05 * 2**0.5))
+    assert table[head]["kl"] == pytest.approx((0.15, 0.05 * 2**0.5))
+    assert table[head]["fa_placement"] == "0:1 2:2"
+    assert table[layer]["seeds"] == 1 and table[layer]["mqar"] == pytest.approx((0.3, None))
+
+
 def test_the_report_renders_the_committed_study_and_a_check_without_seeds():
     """report.md from the committed results.json: every budget's H1 row, and a doubling that no seed has finished
     at both budgets yet said in words (no empty table)."""
@@ -237,3 +268,6 @@ def test_the_report_renders_the_committed_study_and_a_check_without_seeds():
         assert f"| x{row['budget']:g} | {row['n_seeds']} | " in text
     assert "| x1 | 5 | " in text and "![primary_by_budget.png](primary_by_budget.png)" in text
     assert "| mqar64 with B at its best | kl with B at its best |" in text
+    head, layer = claims.CLAIMS[0].arm_a, claims.CLAIMS[0].arm_b
+    for scale in {r["run"]["scale"] for r in results["runs"]}:
+        assert f"| x{scale:g} | {head} | " in text and f"| x{scale:g} | {layer} | " in text

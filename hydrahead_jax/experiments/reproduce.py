@@ -967,14 +967,15 @@ def _fmt(value, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def arm_table(results: dict) -> dict[str, dict[str, Any]]:
-    """Per arm at the base budget: seeds, mean ± sample std of MQAR recall (headline pairs), KL, NIAH, KV bytes."""
+def arm_table(results: dict, scale: float = 1.0, arms: tuple[str, ...] = ARMS) -> dict[str, dict[str, Any]]:
+    """Per arm (of ``arms`` that ran at budget ``scale``): seeds, mean ± sample std of MQAR recall (headline
+    pairs), KL, NIAH, KV bytes per token and where FA is kept."""
     from hydrahead_jax.experiments.report import _mean_spread
 
     pairs = str(results["headline_pairs"])
     table = {}
-    for arm in ARMS:
-        rs = [r for r in results["runs"] if r["run"]["arm"] == arm and r["run"]["scale"] == 1.0]
+    for arm in arms:
+        rs = [r for r in results["runs"] if r["run"]["arm"] == arm and r["run"]["scale"] == scale]
         if not rs:
             continue
         table[arm] = {
@@ -1150,6 +1151,20 @@ def render(results: dict, plots: list[str], study: Study) -> str:
         lines.append(
             f"| x{row['budget']:g} | {row['n_seeds']} | {' | '.join(cells)} | {decision} | {' | '.join(worst)} |"
         )
+    lines += [
+        "",
+        "The two arms at each budget (mean ± sample std over every seed that finished there, paired or not):",
+        "",
+        "| budget | arm | seeds | MQAR recall | KL |",
+        "|---|---|---|---|---|",
+    ]
+    for scale in sorted({r["run"]["scale"] for r in results["runs"]}):
+        for arm, row in arm_table(results, scale, (h1.arm_a, h1.arm_b)).items():
+            m, kl = row["mqar"], row["kl"]
+            lines.append(
+                f"| x{scale:g} | {arm} | {row['seeds']} | {_fmt(m[0])} ± {_fmt(m[1])} | "
+                f"{_fmt(kl[0], 4)} ± {_fmt(kl[1], 4)} |"
+            )
     mt = results["machine_time"]
     lines += [
         "",
