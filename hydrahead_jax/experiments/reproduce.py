@@ -1166,17 +1166,20 @@ def render(results: dict, plots: list[str], study: Study) -> str:
                 f"{_fmt(kl[0], 4)} ± {_fmt(kl[1], 4)} |"
             )
     mt = results["machine_time"]
-    lines += [
-        "",
-        "## Machine time",
-        "",
-        f"{mt['total_hours']} h so far (the teacher {mt['teacher_seconds']:.0f} s, {len(results['runs'])} runs "
-        f"{mt['runs_seconds']:.0f} s; wall time on the machines that ran them, shared load and pauses included); the "
-        f"{len(results['unfinished'])} unfinished runs need about {mt['unfinished_estimate_hours']} h more "
-        "(each scale's median run).",
-    ]
+    spent = (
+        f"{mt['total_hours']} h (the teacher {mt['teacher_seconds']:.0f} s, {len(results['runs'])} runs "
+        f"{mt['runs_seconds']:.0f} s; wall time on the machines that ran them, shared load and pauses included)"
+    )
+    lines += ["", "## Machine time", ""]
     if results["unfinished"]:
-        lines += ["", f"Unfinished runs ({len(results['unfinished'])}): {', '.join(results['unfinished'])}"]
+        lines += [
+            f"{spent} so far; the {len(results['unfinished'])} unfinished runs need about "
+            f"{mt['unfinished_estimate_hours']} h more (each scale's median run).",
+            "",
+            f"Unfinished runs ({len(results['unfinished'])}): {', '.join(results['unfinished'])}",
+        ]
+    else:
+        lines += [f"{spent}; every planned run has finished."]
     lines += ["", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
 
