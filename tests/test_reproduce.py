@@ -105,16 +105,40 @@ def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
         reproduce.merged_records(longer, None, [tmp_path / "seeds.json"])
 
 
-def test_the_committed_study_merges_into_a_4x_check():
-    """The committed reproduction is this study's: a 4x check goes on from it, every 1x and 2x run recorded, only
-    4x runs it does not record yet left to run."""
+def test_the_committed_study_merges_and_the_plan_leaves_exactly_the_unrecorded_runs(tmp_path):
+    """The committed reproduction is this study's (it merges, every planned run recorded: nothing left to run); a
+    results set made from it with known runs taken out leaves exactly those runs, in the plan's order."""
     committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "reproduction" / "results.json"
-    longer = dataclasses.replace(reproduce.Study(), convergence_scales=(2.0, 4.0))
-    records = reproduce.merged_records(longer, json.loads(committed.read_text())["teacher"]["digest"], [committed])
-    planned = reproduce.run_specs(longer, ["convergence"])
-    left = [s for s in planned if (s.arm, s.seed, s.scale) not in records]
-    assert {scale for (_, _, scale) in records} >= {1.0, 2.0}  # the claims' runs and the 2x check
-    assert all(s.scale == 4.0 for s in left), left  # only 4x runs not finished yet
+    results = json.loads(committed.read_text())
+    # the committed study's budgets (its convergence checks reach 8x): the runs it planned
+    study = dataclasses.replace(reproduce.Study(), convergence_scales=tuple(results["study"]["convergence_scales"]))
+    digest = results["teacher"]["digest"]
+    planned = reproduce.run_specs(study, reproduce.parts_of([]))
+    records = reproduce.merged_records(study, digest, [committed])
+    assert len(planned) == 46 and {(r.arm, r.seed, r.scale) for r in planned} <= set(records)
+    assert reproduce.unrecorded(planned, records) == []
+    taken_out = {("layer_3to1", 1, 2.0), ("head_7to1", 2, 4.0), ("all_la", 0, 1.0), ("head_7to1", 4, 1.0)}
+    partial = tmp_path / "partial.json"
+    kept = [r for r in results["runs"] if (r["run"]["arm"], r["run"]["seed"], r["run"]["scale"]) not in taken_out]
+    assert len(kept) == len(results["runs"]) - len(taken_out)
+    partial.write_text(json.dumps(results | {"runs": kept}))
+    records = reproduce.merged_records(study, digest, [partial])
+    # seed-major over the base budget (all_la seed 0 before head_7to1 seed 4), then each convergence budget
+    assert [s.name for s in reproduce.unrecorded(planned, records)] == [
+        "all_la/seed0/x1",
+        "head_7to1/seed4/x1",
+        "layer_3to1/seed1/x2",
+        "head_7to1/seed2/x4",
+    ]
+    convergence = reproduce.run_specs(study, ["convergence"])
+    assert [s.name for s in reproduce.unrecorded(convergence, records)] == ["layer_3to1/seed1/x2", "head_7to1/seed2/x4"]
+    # a 16x check on top: the two runs taken out, then every 16x run (none recorded anywhere)
+    longer = dataclasses.replace(study, convergence_scales=(2.0, 4.0, 8.0, 16.0))
+    left = reproduce.unrecorded(reproduce.run_specs(longer, ["convergence"]), records)
+    assert [s.name for s in left[:2]] == ["layer_3to1/seed1/x2", "head_7to1/seed2/x4"]
+    assert [(s.arm, s.seed, s.scale) for s in left[2:]] == [
+        (arm, seed, 16.0) for seed in range(3) for arm in reproduce.PRIMARY
+    ]
 
 
 def test_machine_time_by_hand():

@@ -1,6 +1,9 @@
 """The reproduction's statistics (experiments/claims.py) against exact enumeration and values worked out by hand."""
 
+import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,7 +96,26 @@ def test_claims_spec_is_stable_data():
     spec = claims.claims_spec()
     assert [c["id"] for c in spec] == ["H1", "H2", "H3", "H4"]
     assert spec[0]["components"] == [{"metric": "mqar64", "margin": 0.03}, {"metric": "kl", "margin": 0.05}]
-    assert claims.spec_hash() == claims.spec_hash()
+
+
+def test_spec_hash_is_the_committed_studys_and_moves_with_any_claim_setting(monkeypatch):
+    """The hash the committed reproduction recorded is this spec's (a merge of it would be refused otherwise), and
+    every part of the spec (a margin, a statement, the test settings) changes it."""
+    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "reproduction" / "results.json"
+    assert claims.spec_hash() == json.loads(committed.read_text())["claims_hash"]
+    pinned = claims.spec_hash()
+    h1, *rest = claims.CLAIMS
+    wider = dataclasses.replace(h1, components=(claims.Component("mqar64", 0.04), *h1.components[1:]))
+    reworded = dataclasses.replace(h1, statement=h1.statement + " ")
+    for changed in ((wider, *rest), (reworded, *rest), (*rest, h1)):
+        with monkeypatch.context() as m:
+            m.setattr(claims, "CLAIMS", changed)
+            assert claims.spec_hash() != pinned
+    for name, value in (("ALPHA", 0.1), ("BOOTSTRAP_RESAMPLES", 20_000), ("BOOTSTRAP_SEED", 1)):
+        with monkeypatch.context() as m:
+            m.setattr(claims, name, value)
+            assert claims.spec_hash() != pinned
+    assert claims.spec_hash() == pinned  # restored: the hash is a function of the spec alone
 
 
 def test_exploratory_estimates_by_hand():

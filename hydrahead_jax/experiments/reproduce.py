@@ -419,6 +419,12 @@ def run_specs(study: Study, parts: list[str]) -> list[RunSpec]:
     return specs
 
 
+def unrecorded(specs: list[RunSpec], records: dict[tuple, dict]) -> list[RunSpec]:
+    """The runs of ``specs`` (in their order) that ``records`` (by (arm, seed, scale)) does not hold: what is left
+    to run."""
+    return [s for s in specs if (s.arm, s.seed, s.scale) not in records]
+
+
 def comparison_config(study: Study, paths, teacher: Path, seed: int, scale: float, arms: list[str]):
     """The arms of one seed as a comparison recipe (``compare.load_variants`` validates it)."""
     from ml_collections import ConfigDict
@@ -692,7 +698,7 @@ def _run_locked(study: Study, workdir: Path, parts: list[str], merge: list[str |
     paths, folder, teacher, tokenizer = _teacher_and_data(study, workdir)
     done_elsewhere = merged_records(study, teacher_digest(folder), merge)
     planned = run_specs(study, parts)
-    specs = [s for s in planned if (s.arm, s.seed, s.scale) not in done_elsewhere]
+    specs = unrecorded(planned, done_elsewhere)
     if len(specs) < len(planned):
         log(f"{len(planned) - len(specs)} run(s) of these parts finished in a --merge file: skipped")
     all_arms = [a for a in ARMS]
@@ -831,7 +837,7 @@ def report(study: Study, workdir: str | Path, *, merge: list[str | Path] = (), o
         if scale == 1.0:
             base.setdefault(arm, {})[seed] = summary(r, pairs)
     decided = claims_mod.decide(base)
-    unfinished = [s for s in run_specs(study, parts_of([])) if (s.arm, s.seed, s.scale) not in records]
+    unfinished = unrecorded(run_specs(study, parts_of([])), records)
     results = {
         "claims": [
             {k: c[k] for k in ("id", "statement", "decision", "estimate", "ci_low", "ci_high", "n_seeds")} | c
