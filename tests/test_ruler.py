@@ -193,9 +193,9 @@ def test_same_seed_same_prompt_and_too_short_is_an_error(inputs):
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
-    """eval.py --suite ruler:… on a tiny random decoder: records per sample, scores = string_match_all of the
-    stored prediction, a table and the plot; cwe at 1K does not fit and is skipped with the reason."""
+def _eval_ruler(inputs, tmp_path) -> tuple[dict, object]:
+    """eval.py's main on a tiny random decoder saved with the test tokenizer: niah_single_2, vt and fwe at 512
+    tokens, 2 samples each; returns (results.json, the output folder)."""
     import test_eval
 
     from hydrahead_jax.evaluation import cli
@@ -217,7 +217,13 @@ def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
         ]
     )  # fmt: skip
     assert rc == 0
-    res = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text()), out
+
+
+def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
+    """eval.py --suite ruler:… on a tiny random decoder: records per sample, scores = string_match_all of the
+    stored prediction, a table and the plot."""
+    res, out = _eval_ruler(inputs, tmp_path)
     samples = res["ruler_samples"]
     assert sorted({(s["task"], s["sample"]) for s in samples}) == [
         (t, i) for t in ("fwe", "niah_single_2", "vt") for i in (0, 1)
@@ -238,6 +244,44 @@ def test_eval_suite_ruler_end_to_end(inputs, tmp_path):
     report = (out / "report.md").read_text()
     assert "## RULER" in report and "| niah_single_2 |" in report and "ruler_vs_length.png" in report
     assert (out / "ruler_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def copied_answer(prompt: str) -> str:
+    """What a reader that copies from its prompt answers, without any answer key: for a NIAH question, the value
+    its needle gives the asked key; for variable tracking, the one variable assigned the asked value directly (the
+    chain's first hop); for word-frequency questions nothing (counting is not copying)."""
+    if asked := re.search(r"What is the special magic \w+ for (\S+) mentioned", prompt):
+        return re.search(rf"special magic \w+ for {re.escape(asked[1])} is: (\S+?)\.", prompt)[1]
+    if asked := re.search(r"assigned the value (\d+) in the text above", prompt):
+        return re.search(rf"VAR (\w+) = {asked[1]}\.", prompt)[1]
+    return ""
+
+
+def test_eval_suite_ruler_scores_a_model_that_copies_from_the_prompt(inputs, tmp_path, monkeypatch):
+    """The same eval.py run with a stand-in whose generation is ``copied_answer`` of the prompt: its scores are
+    known before the run. niah_single_2 asks for one value, which it copies: 1 on both samples. vt's answer is the
+    chain's 5 variables, of which it names the first: 1/5. fwe: 0. So the RULER average is (1 + 0.2 + 0) / 3; a
+    wrong answer key, a prediction scored against another sample's answers or a wrong aggregation would move
+    them."""
+    from hydrahead_jax.evaluation import suite
+    from hydrahead_jax.evaluation.runner import Generation, Runner
+
+    tok = inputs.tok
+
+    class CopyingRunner(Runner):
+        def generate(self, prompt_ids, max_new_tokens, *, eos_id=None, **_):
+            answer = copied_answer(tok.decode([int(t) for t in np.asarray(prompt_ids)[0]]))
+            ids = (tok.encode(" " + answer) if answer else []) + [eos_id]
+            assert len(ids) <= max_new_tokens
+            return Generation(np.asarray([ids], np.int32), 0.0, [], None, None)
+
+    monkeypatch.setattr(suite, "Runner", CopyingRunner)
+    res, _ = _eval_ruler(inputs, tmp_path)
+    expected = {"niah_single_2": 1.0, "vt": 0.2, "fwe": 0.0}
+    scores = {(s["task"], s["sample"]): s["score"] for s in res["ruler_samples"]}
+    assert scores == {(task, i): value for task, value in expected.items() for i in (0, 1)}
+    recs = {(r["task"], r["length"]): r["value"] for r in res["ruler"]}
+    assert recs == pytest.approx({**{(t, 512): v for t, v in expected.items()}, ("average", 512): 0.4})
 
 
 # ------------------------------------------------------------------------------------------------ --combine
