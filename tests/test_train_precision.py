@@ -36,11 +36,16 @@ CFG = ModelConfig(
 LR = 1e-5
 
 
-def _setup():
+# "both": every head of a mixed layer RMS-normalised and scaled; "la_scale" (HybridConfig's default and the demo's,
+# configs/smollm2_hydrahead.py): only the LA heads scaled, γ ⊙ o, without normalisation. In both, every γ entry gets
+# a gradient of the size the movement check below was measured at.
+FUSIONS = ("both", "la_scale")
+
+
+def _setup(fusion):
     teacher = Transformer(CFG, rngs=nnx.Rngs(0))
     head_map = HeadMap.from_fa_groups(CFG, [[0], [1]], method="test")
-    # fusion="both": every γ entry then gets a gradient of the size the movement check below was measured at
-    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16, fusion="both"), rngs=nnx.Rngs(1))
+    student = build_student(teacher, head_map, HybridConfig(gdn_chunk_size=16, fusion=fusion), rngs=nnx.Rngs(1))
     graphdef, params, frozen = nnx.split(student, nnx.Param, ...)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, 32)), jnp.int32)
@@ -48,8 +53,8 @@ def _setup():
     return graphdef, nnx.as_pure(params), nnx.as_pure(frozen), batch
 
 
-def _run(master_dtype, steps=3):
-    graphdef, params, frozen, batch = _setup()
+def _run(master_dtype, fusion, steps=3):
+    graphdef, params, frozen, batch = _setup(fusion)
     settings = LossSettings(kind="long", chunk=16)
     tx = optax.adamw(LR, b1=0.9, b2=0.95, weight_decay=0.0)
     ss = StepSettings(master_dtype=master_dtype)
@@ -61,9 +66,9 @@ def _run(master_dtype, steps=3):
     return params, state
 
 
-def _reference(steps=3):
+def _reference(fusion, steps=3):
     """Independent: grads of loss(bf16(θ)) w.r.t. f32 θ, then optax.adamw built here on f32 copies."""
-    graphdef, params, frozen, batch = _setup()
+    graphdef, params, frozen, batch = _setup(fusion)
     theta = jax.tree.map(lambda x: x.astype(jnp.float32), params)
 
     def loss(theta):
@@ -83,9 +88,10 @@ def _leaves(tree, word):
     return [(jax.tree_util.keystr(p), x) for p, x in flat if word in jax.tree_util.keystr(p)]
 
 
-def test_f32_master_matches_an_f32_reference_and_moves_norms_and_gamma():
-    params, state = _run("float32")
-    theta, opt = _reference()
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_f32_master_matches_an_f32_reference_and_moves_norms_and_gamma(fusion):
+    params, state = _run("float32", fusion)
+    theta, opt = _reference(fusion)
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(theta), strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
@@ -110,8 +116,9 @@ def test_f32_master_matches_an_f32_reference_and_moves_norms_and_gamma():
 
 
 def test_bf16_training_without_master_cannot_move_norms():
-    """The old behaviour (master_dtype="param"): every norm weight and γ update rounds away."""
-    params, state = _run("param")
+    """The old behaviour (master_dtype="param"): every norm weight and γ update rounds away (whatever the fusion:
+    the updates are below bf16's ulp; shown on the default one)."""
+    params, state = _run("param", "la_scale")
     for word in ("layernorm", "['norm']", "gamma", "o_norm_weight"):
         for (name, a), (_, p) in zip(_leaves(state["params"], word), _leaves(params, word)):
             assert a.dtype == jnp.bfloat16
