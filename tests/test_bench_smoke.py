@@ -196,48 +196,109 @@ def _gpu_check(*args, timeout=600, **env):
     )
 
 
+# The dry run's rows (bench/gpu_check_*.py, mode "dry-run"): each check case in float32 then bfloat16, with the
+# outputs and gradients compared; then the benchmark rows of its one shape, every CPU-capable implementation.
+DRY_RUN_CHECKS = {
+    "flash_attention": ["B=1 T=64 S=64 Hq=2 Hkv=2 D=16 causal", "B=1 T=33 S=70 Hq=4 Hkv=1 D=32 non-causal"],
+    "gated_delta": ["B=1 T=50 H=2 K=16 V=16"],
+}
+DRY_RUN_COMPARED = {
+    "flash_attention": {"out", "dq", "dk", "dv"},
+    "gated_delta": {"o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"},
+}
+DRY_RUN_BENCH = {
+    "flash_attention": [(d, i) for d in ("fwd packed", "fwd+bwd packed") for i in ("pallas", "pallas_unmasked")]
+    + [(d, i) for d in ("fwd", "fwd+bwd") for i in ("pallas", "xla_dense", "xla_blockwise")],
+    "gated_delta": [(d, i) for d in ("fwd", "fwd+bwd", "prologue") for i in ("pallas", "xla")],
+}
+
+
+def _printed_row(row: dict) -> str:
+    """The start of the line ``Report`` prints for a check or benchmark row (bench/_gpu_check.py)."""
+    if "case" in row:
+        return f"[{row['status']:>7}] {row['case']} {row['dtype']}: "
+    return f"[  bench] D={row['D']} T={row['T']} {row['direction']:<7} {row['impl']:<10} {row['ms']:.3f} ms"
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
-    """The whole GPU check on the CPU: both kernels checked in interpret mode, one benchmark row each, GPU peers
-    skipped with a reason, the summary verdict first, and the Markdown + JSON written where asked."""
-    import json
-
+    """The whole GPU check on the CPU: every check row of the dry run present and within its limit against the
+    reference, every benchmark row present and timed, GPU peers skipped with a reason, each row printed as it was
+    recorded (the reports hold exactly the printed rows, in order), the summary verdict first, and the Markdown +
+    JSON written where asked."""
     out = tmp_path / "results"
     proc = _gpu_check("--dry-run", "--out", str(out))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     summary = proc.stdout.split("== finished in", 1)[1].splitlines()[1:]
-    assert summary[0].startswith("GPU CHECK PASSED: 6 value+gradient checks"), summary[:3]
+    assert summary[0] == "GPU CHECK PASSED: 6 value+gradient checks of flash_attention, gated_delta", summary[:3]
     assert "cudnn skipped: cuDNN attention needs a CUDA GPU" in log
     assert "fla skipped: flash-linear-attention runs on a CUDA GPU only" in log
 
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["status"] == {"flash_attention": 0, "gated_delta": 0}
     reports = data["reports"]
-    # Every check compared every output and gradient, within its limit.
-    names = {"flash_attention": {"out", "dq", "dk", "dv"}, "gated_delta": {"o", "state", "dq", "dk", "dv", "dg"}}
-    for kernel, rep in reports.items():
-        assert [c["dtype"] for c in rep["checks"]] == ["float32", "bfloat16"] * (len(rep["checks"]) // 2)
+    assert list(reports) == ["flash_attention", "gated_delta"]
+    sections = re.split(r"^== (?:flash_attention|gated_delta|finished) ", proc.stdout, flags=re.M)[1:3]
+    for (kernel, rep), section in zip(reports.items(), sections, strict=True):
+        expected = [(case, dtype) for case in DRY_RUN_CHECKS[kernel] for dtype in ("float32", "bfloat16")]
+        assert [(c["case"], c["dtype"]) for c in rep["checks"]] == expected
+        # Every output and gradient compared with the fp32 reference and within its limit: fp32 at the fixed
+        # tolerance, bf16 at twice the reference's own bf16 error (positive: the reference itself rounds).
         for c in rep["checks"]:
-            assert c["status"] == "ok" and names[kernel] <= set(c["errors"]), c
-            assert all(0 <= c["errors"][n] <= c["limits"][n] for n in c["errors"]), c
-    # One benchmark row per kernel, forward and forward+backward, every CPU-capable implementation timed.
-    impls = {"flash_attention": {"pallas", "xla_dense", "xla_blockwise"}, "gated_delta": {"pallas", "xla"}}
-    for kernel, rep in reports.items():
-        for direction in ("fwd", "fwd+bwd"):
-            timed = {r["impl"]: r for r in rep["bench"] if r["direction"] == direction}
-            assert set(timed) == impls[kernel], (kernel, direction, timed)
-            assert all(r["ms"] > 0 and math.isfinite(r["tflops"]) for r in timed.values())
-    # The gated delta rows also time its WY prologue alone: our kernel against the XLA prologue.
-    prologue = {r["impl"]: r for r in reports["gated_delta"]["bench"] if r["direction"] == "prologue"}
-    assert set(prologue) == {"pallas", "xla"} and all(r["ms"] > 0 for r in prologue.values()), prologue
+            assert c["status"] == "ok" and c["bad"] == [], c
+            assert set(c["errors"]) == set(c["limits"]) == DRY_RUN_COMPARED[kernel], c
+            for name, error in c["errors"].items():
+                limit = c["limits"][name]
+                assert (limit == 1e-2) if c["dtype"] == "float32" else (0 < limit < 1), c
+                assert 0 <= error <= limit, c
+        assert [(r["direction"], r["impl"]) for r in rep["bench"]] == DRY_RUN_BENCH[kernel]
+        assert all(r["ms"] > 0 and math.isfinite(r["tflops"]) for r in rep["bench"]), rep["bench"]
+        # The checks run before the benchmark: the rows as printed, in order, are the report's checks then its rows.
+        printed = [line for line in section.splitlines() if line.startswith("[")]
+        rows = rep["checks"] + rep["bench"]
+        assert len(printed) == len(rows), printed
+        for line, row in zip(printed, rows):
+            assert line.startswith(_printed_row(row)), (line, row)
+        assert json.loads((out / f"{kernel}.json").read_text()) == rep
     # The Markdown table's ratio column is peer time / Pallas time of the JSON rows.
     fa = {(r["direction"], r["impl"]): r["ms"] for r in reports["flash_attention"]["bench"]}
     md = (out / "gpu_check.md").read_text()
     ratio = fa[("fwd", "xla_blockwise")] / fa[("fwd", "pallas")]
     fwd_line = next(line for line in md.splitlines() if line.startswith("| 16 | 64 |") and "| fwd |" in line)
     assert fwd_line.rstrip(" |").endswith(f"{ratio:.2f}x"), fwd_line
-    assert (out / "flash_attention.md").exists() and (out / "gated_delta.json").exists()
+    assert (out / "flash_attention.md").exists() and (out / "gated_delta.md").exists()
+
+
+def test_gpu_check_report_is_rewritten_after_every_row(tmp_path):
+    """A kernel script killed at its deadline keeps what it measured: ``Report`` rewrites <kernel>.json and .md
+    after every check, failed check, benchmark row and note (the dry run only sees the final files)."""
+    import _gpu_check as gpu_check_lib
+    import numpy as np
+
+    report = gpu_check_lib.Report("gated_delta", "dry-run", tmp_path)
+
+    def on_disk():
+        return json.loads((tmp_path / "gated_delta.json").read_text()), (tmp_path / "gated_delta.md").read_text()
+
+    want = np.ones(4)
+    assert report.check("case a", "float32", ["o"], [want], [want])
+    saved, md = on_disk()
+    assert [(c["case"], c["status"]) for c in saved["checks"]] == [("case a", "ok")] and "| case a |" in md
+    assert not report.check("case b", "float32", ["o"], [2 * want], [want])  # relative error 1
+    saved, md = on_disk()
+    assert [(c["case"], c["status"], c["bad"]) for c in saved["checks"]][1] == ("case b", "fail", ["o"])
+    assert "**o 1.0e+00/1.0e-02**" in md
+    report.check_error("case c", "bfloat16", RuntimeError("no lowering\nsecond line"))
+    assert on_disk()[0]["checks"][2]["error"] == "RuntimeError: no lowering"
+    report.bench_row(D=16, T=64, B=1, H=2, direction="fwd", impl="pallas", ms=2.0, tflops=0.5)
+    saved, md = on_disk()
+    assert saved["bench"] == [dict(D=16, T=64, B=1, H=2, direction="fwd", impl="pallas", ms=2.0, tflops=0.5)]
+    assert "2.00 (0)" in md
+    report.note("row (32, 128) skipped: time budget")
+    saved, md = on_disk()
+    assert saved["notes"] == ["row (32, 128) skipped: time budget"] and "- row (32, 128) skipped" in md
+    assert len(saved["checks"]) == 3 and len(saved["bench"]) == 1
 
 
 def test_gpu_check_install_plan_and_usage_errors(tmp_path):
