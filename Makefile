@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv (Python >= 3.12), install, convert the real SmolLM2-135M teacher on real text
-#   make test   install the test extras (torch/transformers oracle) and run the test suite
+#   make test   install the test extras (torch/transformers oracle) and run the default test tier (not `slow`)
+#   make test-all  the whole suite: the default tier and the end-to-end tier (`slow`); what CI runs
 #   make compare  issue 17's equal-budget comparison of 17 conversion variants on SmolLM2 (about 5.5 h on 2 cores)
 #   make reproduce  issue 30's controlled reproduction of the paper's claims on a small teacher trained here
 # Both are idempotent: a second run reuses the environment and skips finished work.
@@ -16,7 +17,7 @@ WORKDIR ?= runs/smollm2_demo
 DEMO_CONFIG ?= configs/smollm2_hydrahead.py:streaming64
 PYTEST_ARGS ?=
 
-.PHONY: demo compare reproduce test lint format install install-dev bench gpu-check clean-venv
+.PHONY: demo compare reproduce test test-all lint format install install-dev libtpu bench gpu-check clean-venv
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; see the message above." >&2; exit 1; }
@@ -33,10 +34,25 @@ $(VENV)/.installed: $(VENV)/bin/python setup.py
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -e ".[dev]"
+	# libtpu left in site-packages by the dev extras of before (it lives in $(LIBTPU_DIR) now, see below)
+	$(PIP) uninstall -q -y libtpu 2>/dev/null || true
+	touch $@
+
+# The TPU compiler, for the compile tier's compile-only TPU devices (no TPU needed): the version jax[tpu] pins for the
+# jax this project is tried with (jax 0.12.0.x -> libtpu 0.0.50.x). It lives in a folder of its own, not in the
+# venv's site-packages: every JAX process that can import libtpu initialises it at start, and on a machine without a
+# TPU that prints libtpu's errors ("unexpected worker hostname", "Failed to find host bounds"). The tests that
+# compile for TPU put the folder on their own import path (tests/conftest.py, fixture `libtpu`).
+LIBTPU_VERSION := 0.0.50.1
+LIBTPU_DIR := $(VENV)/libtpu
+$(LIBTPU_DIR)/.installed-$(LIBTPU_VERSION): $(VENV)/bin/python
+	rm -rf $(LIBTPU_DIR)
+	$(PIP) install -q --no-deps --target $(LIBTPU_DIR) libtpu==$(LIBTPU_VERSION)
 	touch $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+libtpu: $(LIBTPU_DIR)/.installed-$(LIBTPU_VERSION)
 
 demo: $(VENV)/.installed
 	$(PY) train.py --config $(DEMO_CONFIG) --workdir $(WORKDIR)
@@ -59,14 +75,25 @@ reproduce: $(VENV)/.installed
 	$(PY) -m hydrahead_jax.experiments.reproduce --workdir $(REPRODUCE_DIR) $(REPRODUCE_ARGS)
 	@echo "Report: bench/results/reproduction/report.md (claims, teacher, every run: results.json)"
 
+# Two tiers (pytest.ini's `slow` marker). `make test`: every unit and component test, the kernels' interpret-mode
+# tests and the oracles. `make test-all` adds the end-to-end tier: train.py/eval.py runs in subprocesses, the
+# multi-process run, fault injection, the quick reproduction, the compile tiers for TPU and GPU, the benchmarks'
+# smoke runs.
+# Workers: one per core unless memory holds fewer (scripts/test_workers.sh); `make test TEST_WORKERS=4` overrides.
 # --max-worker-restart=0: a worker that dies (e.g. an XLA:CPU compile at the process's memory-mapping limit, which
 # tests/conftest.py now keeps workers away from) fails the suite naming the test it was running, and the other
-# worker finishes the other files.
+# workers finish the other files.
 # Replacing the worker instead makes pytest-xdist 3.8 under --dist loadfile wait forever at the end of the run
 # (pytest-xdist #1323).
+TEST_WORKERS ?= $(shell scripts/test_workers.sh)
+PYTEST := HYDRAHEAD_REQUIRE_ORACLES=1 HYDRAHEAD_LIBTPU_DIR=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest tests \
+	-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
+
 test: $(VENV)/.installed-dev lint
-	HYDRAHEAD_REQUIRE_ORACLES=1 $(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
-		$(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-dev $(LIBTPU_DIR)/.installed-$(LIBTPU_VERSION) lint
+	$(PYTEST) $(PYTEST_ARGS)
 
 # Lint and format check (pyproject.toml); `make format` rewrites the tree in the house style.
 lint: $(VENV)/.installed-dev

@@ -1,4 +1,5 @@
-"""The gated delta rule's Pallas TPU kernels compiled by the real TPU compiler (libtpu, compile only, no TPU needed):
+"""The gated delta rule's Pallas TPU kernels compiled by the real TPU compiler (libtpu, compile only, no TPU needed;
+`make libtpu` installs it, run with PYTHONPATH=.venv/libtpu):
 grid steps, scoped VMEM and compiled memory per kernel configuration, forward + backward.
 
     python bench/bench_gated_delta_tpu.py                       # T = 8K, B = 1, H = 16, K = V = 128, bf16, v5e chip

@@ -12,10 +12,10 @@ allocation; ``random`` groups stand in for probe-selected ones: the memory depen
 for the runtime) and prints the setting. By default the figures are XLA CPU compiles (a GPU/TPU compile fuses
 differently); ``--platform tpu --topology v5p:4x4x2`` compiles each stage with the real TPU compiler for every chip
 of that slice (libtpu's compile-only devices, no TPU needed: pallas_kernels.cross_compile), the Pallas TPU kernels
-included, and holds the per-chip figure against the chip's HBM:
+included, and holds the per-chip figure against the chip's HBM (libtpu from `make libtpu`'s folder):
 
-    python bench/memory_plan.py --config configs/qwen3_1p7b_hydrahead.py:7to1 --shapes qwen3 \
-        --platform tpu --topology v5p:4x4x2     # 32 v5p chips (Cloud TPU's "v5p-64": 64 TensorCores)
+    PYTHONPATH=.venv/libtpu python bench/memory_plan.py --config configs/qwen3_1p7b_hydrahead.py:7to1 \
+        --shapes qwen3 --platform tpu --topology v5p:4x4x2     # 32 v5p chips (Cloud TPU's "v5p-64")
 """
 
 from __future__ import annotations

@@ -25,9 +25,15 @@ RuntimeError that names it):
   (both wrapped only for the duration of one capture, see :func:`_capture_triton_ir`);
   ``triton.knobs.nvidia.dump_ptxas_log`` (Triton prints its ptxas -v log) and Triton's ptxas flags (_PTXAS_FLAGS);
   for TPU (tried with libtpu 0.0.50.x, the version jax 0.12.0.x pins): the environment libtpu reads
-  (``TPU_SKIP_MDS_QUERY``: no metadata server to ask; ``ALLOW_MULTIPLE_LIBTPU_LOAD``: every JAX process of a venv
-  with libtpu loads it, and without this only the first may hold /tmp/libtpu_lockfile), and the compiled HLO's
-  ``backend_config`` field ``used_scoped_memory_configs`` (memory space 1 = VMEM) read as each kernel's VMEM.
+  (``TPU_SKIP_MDS_QUERY``: no metadata server to ask; ``ALLOW_MULTIPLE_LIBTPU_LOAD``: every process that compiles
+  for TPU loads libtpu, e.g. two pytest workers at once, and without this only the first may hold
+  /tmp/libtpu_lockfile), and the compiled HLO's ``backend_config`` field ``used_scoped_memory_configs`` (memory
+  space 1 = VMEM) read as each kernel's VMEM.
+
+libtpu must be importable by the process that compiles. `make libtpu` installs it in .venv/libtpu, a folder of its
+own, rather than in the venv's site-packages: a JAX process that can import libtpu initialises it at start, which on
+a machine without a TPU prints libtpu's errors. Put that folder on ``PYTHONPATH`` for a run of your own (the tests do
+it for themselves: tests/conftest.py, fixture ``libtpu``).
 """
 
 from __future__ import annotations
@@ -393,8 +399,8 @@ def _check_libtpu() -> None:
         found = version("libtpu")
     except PackageNotFoundError as e:
         raise RuntimeError(
-            "compile_for_tpu needs the TPU compiler: `pip install libtpu==0.0.50.1` (the version jax[tpu] 0.12.0.x "
-            "pins; it runs on a CPU-only machine)"
+            "compile_for_tpu needs the TPU compiler, libtpu==0.0.50.1 (the version jax[tpu] 0.12.0.x pins; it runs "
+            "on a CPU-only machine): `make libtpu` installs it in .venv/libtpu; put that folder on PYTHONPATH"
         ) from e
     if not found.startswith(_TRIED_VERSIONS["libtpu"]):
         warnings.warn(

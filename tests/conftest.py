@@ -136,10 +136,11 @@ def _release_compiled_programs():
         release_compiled()
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected: only the tests that run are ordered
 def pytest_collection_modifyitems(config, items):
     """Files that hold a test marked ``slow`` run first, then the other files by their number of tests, most first
     (each file's own order kept). `make test` hands whole files to its workers in this order (``--dist loadfile
-    --no-loadscope-reorder``): starting the long files first leaves only short ones for the end, so the two workers
+    --no-loadscope-reorder``): starting the long files first leaves only short ones for the end, so the workers
     finish together instead of one running a long file alone (xdist's own order, by number of tests only, left the
     two-process training run and the fault injection, files of few but long tests, for the end)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
@@ -158,3 +159,31 @@ def show(request):
             print(text, flush=True)
 
     return show
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run whose ``-m`` leaves none of the tests asked for (`make test PYTEST_ARGS=tests/test_distributed.py`: all of
+    it in the end-to-end tier) ran its tier's share of them, none: exit 0 rather than pytest's 5 ("no tests ran").
+    Under pytest-xdist the workers deselect, so the controller knows only that nothing ran."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.getoption("markexpr"):
+        print(f"\nno test left after -m {session.config.getoption('markexpr')!r}")
+        session.exitstatus = pytest.ExitCode.OK
+
+
+@pytest.fixture(scope="session")
+def libtpu():
+    """The TPU compiler (libtpu), for the tests that compile for TPU chips (libtpu's compile-only devices): `make
+    test-all` installs it in a folder of its own ($HYDRAHEAD_LIBTPU_DIR, .venv/libtpu), outside the venv's
+    site-packages, since every JAX process that can import libtpu initialises it at start and on a machine without a
+    TPU prints its errors. The folder goes on this test process's import path only: the train.py and bench
+    subprocesses of the tests never load it. JAX_PLATFORMS=cpu (above) keeps it from becoming this process's
+    backend; jax's ``get_topology_desc`` loads it for compile-only devices."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None:
+        folder = Path(os.environ.get("HYDRAHEAD_LIBTPU_DIR") or Path(__file__).resolve().parents[1] / ".venv/libtpu")
+        if not (folder / "libtpu").is_dir():
+            pytest.fail(f"the TPU compiler is not installed in {folder}: `make libtpu` (or `make test-all`) does it")
+        sys.path.insert(0, str(folder))
+        importlib.invalidate_caches()

@@ -34,6 +34,7 @@ def _table_rows(text: str, first_header: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_attention_quick(capsys):
     import bench_attention
 
@@ -54,6 +55,7 @@ def test_attention_quick(capsys):
     assert mem_v["teacher"] / 2**20 == pytest.approx(block_mib["teacher"], abs=0.05)
 
 
+@pytest.mark.slow
 def test_decode_quick(capsys):
     import bench_decode
 
@@ -74,6 +76,7 @@ def test_decode_quick(capsys):
     assert set(per_token) == {256, 512}
 
 
+@pytest.mark.slow
 def test_train_step_quick(capsys):
     import bench_train_step
 
@@ -90,6 +93,7 @@ def test_train_step_quick(capsys):
         assert loss[f"stage {stage}"] == loss[f"stage {stage} (remat)"], loss
 
 
+@pytest.mark.slow
 def test_segments_quick(capsys):
     import bench_segments
 
@@ -106,6 +110,7 @@ def test_segments_quick(capsys):
         assert float(row[7].rstrip("x")) == pytest.approx(ratio["packed"], abs=0.006), row
 
 
+@pytest.mark.slow
 def test_context_parallel_quick(capsys):
     """sequence=8 against 1 on the 8 test devices: memory, time and collective bytes of every layer, and the
     collective count read from the HLO is really there (the split layer moves bytes; one device moves none)."""
@@ -125,6 +130,8 @@ def test_context_parallel_quick(capsys):
     assert split["teacher"]["by_op"]["all-gather"] == split["teacher"]["by_op"]["reduce-scatter"] == gathered
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
 def test_gated_delta_tpu_quick(tmp_path, capsys):
     """The TPU compile benchmark at T = 1K, 2 heads: every kernel's grid has B·H·N/P = 1·2·16/8 = 4 steps, and each
     kernel's scoped VMEM comes from the compiled program."""
@@ -169,6 +176,7 @@ ENTRY %main (a: f32[2,8], /*index=1*/b: bf16[16]) -> f32[4,8] {
         assert bench_context_parallel._group_size(line) == n, groups
 
 
+@pytest.mark.slow
 def test_gated_delta_quick_via_run_all():
     # Through run_all (a subprocess per script), so the runner itself is exercised too.
     proc = subprocess.run(
@@ -484,6 +492,7 @@ def test_gated_delta_peer_calls_on_cpu(tmp_path):
     assert "DISAGREES" in report.notes[-1]
 
 
+@pytest.mark.slow
 def test_long_context_quick(capsys):
     import bench_long_context
     from bench_decode import GDN, STREAMING

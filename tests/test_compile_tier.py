@@ -19,6 +19,9 @@ from pallas_kernels import cross_compile as cc
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
 from pallas_kernels.flash_attention.pallas_gpu import flash_attention_gpu
 
+# The compile tier is in the end-to-end tier (`make test-all`); libtpu from its own folder (conftest's `libtpu`).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("libtpu")]
+
 # The TPU tier's targets: an 8-chip slice of each generation (kernels compile for one of its chips, sharded
 # programs for all eight). v5p's chips are megacore (two TensorCores as one device): the model tier covers it.
 TPU_CHIPS = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}

@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import cross_compile
 from pallas_kernels.gated_delta import pallas_gpu, pallas_tpu
 
+# The compile tier is in the end-to-end tier (`make test-all`); libtpu from its own folder (conftest's `libtpu`).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("libtpu")]
+
 KERNELS = {
     "gated_delta_state",
     "gated_delta_output",
@@ -64,7 +67,7 @@ def _value_and_grads(kernel_fn):
 
 
 def _dtype_params():
-    return [pytest.param(jnp.float32, marks=pytest.mark.slow, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+    return [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["plain", "segment_ids"])

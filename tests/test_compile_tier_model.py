@@ -28,6 +28,9 @@ from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.steps import LossSettings, compute_loss, make_optimizer, make_train_step
 from pallas_kernels.cross_compile import compile_for_tpu, format_tpu_table, tpu_mesh
 
+# The compile tier is in the end-to-end tier (`make test-all`); libtpu from its own folder (conftest's `libtpu`).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("libtpu")]
+
 SLICE = "v5e:2x4"  # 8 chips
 
 

@@ -70,6 +70,8 @@ def _grad(**kwargs):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
+@pytest.mark.slow  # traced for libtpu's compile-only chips: the TPU compile tier
+@pytest.mark.usefixtures("libtpu")
 def test_auto_on_a_tpu_picks_splash_where_it_covers_the_call():
     """Causal GQA with packed documents at T = 256, d = 128: splash (forward and backward); a ragged length, a head
     dim of 64 or key segment ids of their own (context parallelism's rotated keys): our kernel."""

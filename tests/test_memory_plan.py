@@ -80,6 +80,7 @@ def test_micro_batches_and_row_tiles_shrink_the_planned_step():
     assert micro.arguments == base.arguments
 
 
+@pytest.mark.slow  # bench/memory_plan.py end to end
 def test_memory_plan_command_prints_every_stage(tmp_path):
     import subprocess
 

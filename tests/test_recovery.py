@@ -31,6 +31,7 @@ def _saved_steps(stage_dir):
     return sorted(int(p.name) for p in stage_dir.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_nan_stop_keeps_a_finite_state_and_a_lower_lr_resumes_without_force_new(tmp_path):
     explode = ["--until_stage=align", "--config.stage1.train=all", "--config.stage1.checkpoint_every=1"]
     proc = run_train(tmp_path, *explode, "--config.stage1.lr=1e30", "--config.stage1.steps=8")
@@ -95,6 +96,7 @@ def reference(tmp_path_factory):
     return workdir, losses
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_last_finished_step_and_the_rerun_continues_bit_exact(reference, tmp_path):
     _, want = reference
     proc = run_train(tmp_path, *STAGE1, wait=False)
@@ -120,6 +122,7 @@ def test_sigterm_checkpoints_the_last_finished_step_and_the_rerun_continues_bit_
     assert {r["step"]: r["loss"] for r in rows} == want  # bit-exact
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_workdir_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
     first = run_train(tmp_path, "--until_stage=align", "--config.stage1.steps=5000", wait=False)
     try:
@@ -136,6 +139,7 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_a_killed_holder_leaves_no
         pass
 
 
+@pytest.mark.slow
 def test_a_stage_whose_checkpoints_all_fail_restarts_on_the_data_of_a_fresh_run(reference, tmp_path):
     src, want = reference
     shutil.copytree(src, tmp_path / "w")

@@ -11,6 +11,8 @@ import time
 import pytest
 from train_helpers import run_train
 
+pytestmark = pytest.mark.slow  # train.py runs killed and resumed: the end-to-end tier
+
 STAGE1 = [
     "--until_stage=align",
     "--config.stage1.steps=10",
