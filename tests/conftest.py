@@ -162,8 +162,8 @@ def show(request):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A run whose ``-m`` leaves none of the tests asked for (`make test PYTEST_ARGS=tests/test_distributed.py`: all of
-    it in the end-to-end tier) ran its tier's share of them, none: exit 0 rather than pytest's 5 ("no tests ran").
+    """A run whose ``-m`` leaves none of the tests asked for (`make test PYTEST_ARGS='-k two_processes'`: only
+    end-to-end tests match) ran its tier's share of them, none: exit 0 rather than pytest's 5 ("no tests ran").
     Under pytest-xdist the workers deselect, so the controller knows only that nothing ran."""
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.getoption("markexpr"):
         print(f"\nno test left after -m {session.config.getoption('markexpr')!r}")
