@@ -104,8 +104,8 @@ CASES = {
     [
         ("seq8", "plain", "student"),
         ("seq8", "packed", "student"),
-        ("seq8", "padded", "student"),
-        ("data2_seq4", "packed", "student"),
+        pytest.param("seq8", "padded", "student", marks=pytest.mark.slow),  # costly variants: `make test-all`
+        pytest.param("data2_seq4", "packed", "student", marks=pytest.mark.slow),
         ("data2_seq4", "padded", "teacher"),
         ("seq8", "packed", "teacher"),
     ],
@@ -135,7 +135,7 @@ def test_model_values_and_gradients_match_unsharded(mesh_name, case, which):
 
 
 # ------------------------------------------------------------------------------------------ prefill and decoding
-@pytest.mark.parametrize("mesh_name", ["seq8", "data2_seq4"])
+@pytest.mark.parametrize("mesh_name", ["seq8", pytest.param("data2_seq4", marks=pytest.mark.slow)])
 def test_prefill_and_greedy_decode_under_the_mesh_give_the_unsharded_tokens(mesh_name):
     """models.generate (prompt of 32 = a multiple of 2n) and the eval Runner (prompt of 37: the last tokens go in
     as decode steps) under a sequence mesh produce the unsharded greedy tokens and last-position logits."""
@@ -236,10 +236,11 @@ _ONE_DEVICE_LOSSES = {}
 @pytest.mark.parametrize(
     "stage_key,mesh_name,changes",
     [
-        ("stage3", "seq8", {}),
+        # whole stages through the trainer: one in `make test`, the rest in `make test-all`
+        pytest.param("stage3", "seq8", {}, marks=pytest.mark.slow),
         pytest.param("stage3", "data2_seq4", {}, marks=pytest.mark.slow),
         ("stage1", "seq8", {}),
-        ("stage1", "seq8", {"align_target": "heads"}),
+        pytest.param("stage1", "seq8", {"align_target": "heads"}, marks=pytest.mark.slow),
     ],
     ids=["stage3-seq8", "stage3-data2_seq4", "stage1-seq8", "stage1-heads-seq8"],
 )

@@ -68,7 +68,14 @@ def test_fit_of_a_constant_input_is_mean_ablation():
     np.testing.assert_allclose(np.asarray(mu), o.mean(0), rtol=1e-5)
 
 
-@pytest.mark.parametrize("fusion,granularity", [("la_scale", "head"), ("la_only", "head"), ("both", "channel")])
+@pytest.mark.parametrize(
+    "fusion,granularity",
+    [
+        ("la_scale", "head"),
+        pytest.param("la_only", "head", marks=pytest.mark.slow),
+        pytest.param("both", "channel", marks=pytest.mark.slow),
+    ],
+)
 def test_fitted_heads_are_gamma_n_plus_mu_and_closer_to_the_teacher(fusion, granularity):
     cfg = CFG.replace(num_layers=1)
     teacher = random_teacher(cfg, seed=4)
@@ -333,6 +340,7 @@ def test_init_study_variants_and_reuse(tmp_path):
     assert init_study._reusable(path, {**settings, "rows": 2}) == {}
 
 
+@pytest.mark.slow  # trains stage 1 through the trainer
 def test_init_study_after_stage1_measures_stage1s_final_student(tmp_path):
     """``Study.after_stage1`` trains stage 1 through the pipeline and measures the student of its final checkpoint
     (it once handed the restore the module instead of its state: the restore failed and the checkpoint was set

@@ -94,6 +94,7 @@ def test_kill_at_every_step_of_every_stage_then_the_export_is_bit_exact(uninterr
     assert sorted(heldout) == [(s, n) for s in STAGES for n in (0, STEPS)]  # one per (stage, step) after the kills
 
 
+@pytest.mark.slow  # train.py runs on the uninterrupted run's workdir
 def test_more_steps_for_a_finished_stage_continue_it_and_rerun_the_stages_after_it(uninterrupted, tmp_path):
     # README: a plain run on runs/demo, then the same command with --config.stage2.steps raised.
     src, before = uninterrupted

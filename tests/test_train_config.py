@@ -488,7 +488,7 @@ def test_a_group_at_scale_zero_is_frozen():
     assert not any("mlp" in p or "embed_tokens" in p for p in trained)
 
 
-@pytest.mark.parametrize("train", ["new+la_qkv", "new+la_qkvo"])
+@pytest.mark.parametrize("train", ["new+la_qkv", pytest.param("new+la_qkvo", marks=pytest.mark.slow)])
 def test_la_slices_of_the_shared_projections_train_and_the_fa_groups_stay_the_teachers(train):
     """Stage 1 with the LA groups' q/k/v (and o) slices trainable, through the real train step with AdamW and
     weight decay (a mask on the gradient alone would let the decay move the FA slices): after three steps every

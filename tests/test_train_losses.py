@@ -126,7 +126,9 @@ def test_align_loss_equals_hand_written_per_layer_mse():
     np.testing.assert_allclose(float(metrics["align_mse_mean"]), want / 3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["align", "distil", "long"])
+@pytest.mark.parametrize(
+    "kind", ["align", pytest.param("distil", marks=pytest.mark.slow), pytest.param("long", marks=pytest.mark.slow)]
+)
 def test_remat_gives_the_same_loss_and_gradients_with_less_memory(kind):
     """Per-layer rematerialisation changes what the backward pass keeps, not what it computes."""
     cfg = ModelConfig(
