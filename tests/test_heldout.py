@@ -120,6 +120,7 @@ def _heldout_rows(rows, stage_dir):
     return [r for r in rows if r["stage"] == stage_dir and r.get("split") == "heldout"]
 
 
+@pytest.mark.slow  # reads the whole pipeline run (conftest's tiny_finished_run): the end-to-end tier
 def test_heldout_values_equal_an_independent_computation_from_the_checkpoints(finished_run):
     c, workdir, rows, _ = finished_run
     run = RunConfig.from_recipe(c)
@@ -139,6 +140,7 @@ def test_heldout_values_equal_an_independent_computation_from_the_checkpoints(fi
             np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-9, err_msg=f"{stage.name} {name} {step}")
 
 
+@pytest.mark.slow  # reads the whole pipeline run (conftest's tiny_finished_run): the end-to-end tier
 def test_heldout_points_logs_and_summaries(finished_run, tmp_path):
     c, workdir, rows, out = finished_run
     assert [r["step"] for r in _heldout_rows(rows, "stage1_align")] == [0, 2, 3]  # heldout_every=2

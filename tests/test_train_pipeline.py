@@ -54,6 +54,7 @@ def _final_state(workdir, stage_dir, abstract):
         ckpt.close()
 
 
+@pytest.mark.slow  # reads the whole pipeline run (conftest's tiny_finished_run): the end-to-end tier
 def test_stages_chain_and_log(finished_run):
     c, workdir, final = finished_run
     records = _records(workdir)
@@ -88,6 +89,7 @@ def test_stages_chain_and_log(finished_run):
     np.testing.assert_allclose(stage2_first["loss"], float(kl), rtol=1e-4)
 
 
+@pytest.mark.slow  # reads the whole pipeline run (conftest's tiny_finished_run): the end-to-end tier
 def test_export_round_trip(finished_run):
     c, workdir, final = finished_run
     assert final == workdir / "final"
@@ -103,6 +105,7 @@ def test_export_round_trip(finished_run):
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(reference(ids)))
 
 
+@pytest.mark.slow  # reads the whole pipeline run (conftest's tiny_finished_run): the end-to-end tier
 def test_rerun_skips_finished_stages(finished_run, capsys, tmp_path):
     c, shared, _ = finished_run
     workdir = tmp_path / "rerun"  # a copy: the run is shared
