@@ -4,12 +4,13 @@
 set -euo pipefail
 
 # A worker's peak memory in MiB: the resident set of a worker process and the train.py, eval.py and bench subprocesses
-# it runs at the time, summed. Measured 2026-12-07 on this 2-core box (the process tree sampled every 0.5 s while one
-# pytest process ran, as one worker does, the suite's largest files: gated delta, training config, comparison, bench
-# smoke runs, context parallelism, flash attention, head maps; 372 tests): 5,306 MiB at its peak (the pytest process
-# alone 4,356 MiB, growing with the programs it has compiled); a second process over the other default-tier files
-# peaked at 3,680 MiB.
-PEAK_MIB=5306
+# it runs at the time, summed. Measured 2026-12-07 on this 2-core box with two pytest processes (-n 0), each running
+# about half of the suite's files as a worker does, the process tree sampled every 0.5 s and each test's ru_maxrss
+# read: the peak, 6,239 MiB, is the process that had run 400 tests when it loaded the real SmolLM2 teacher
+# (test_pretrained.py; its resident set grows with the programs it has compiled); the other (gated delta, training
+# config, comparison, bench smoke runs, context parallelism, flash attention; 372 tests) peaked at 5,306 MiB with a
+# subprocess.
+PEAK_MIB=6239
 
 cores=$(nproc)
 available_mib=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)

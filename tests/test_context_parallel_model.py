@@ -102,9 +102,9 @@ CASES = {
 @pytest.mark.parametrize(
     "mesh_name,case,which",
     [
-        ("seq8", "plain", "student"),
+        pytest.param("seq8", "plain", "student", marks=pytest.mark.slow),  # costly variants: `make test-all`
         ("seq8", "packed", "student"),
-        pytest.param("seq8", "padded", "student", marks=pytest.mark.slow),  # costly variants: `make test-all`
+        pytest.param("seq8", "padded", "student", marks=pytest.mark.slow),
         pytest.param("data2_seq4", "packed", "student", marks=pytest.mark.slow),
         ("data2_seq4", "padded", "teacher"),
         ("seq8", "packed", "teacher"),
@@ -236,10 +236,10 @@ _ONE_DEVICE_LOSSES = {}
 @pytest.mark.parametrize(
     "stage_key,mesh_name,changes",
     [
-        # whole stages through the trainer: one in `make test`, the rest in `make test-all`
+        # whole stages through the trainer: the end-to-end tier
         pytest.param("stage3", "seq8", {}, marks=pytest.mark.slow),
         pytest.param("stage3", "data2_seq4", {}, marks=pytest.mark.slow),
-        ("stage1", "seq8", {}),
+        pytest.param("stage1", "seq8", {}, marks=pytest.mark.slow),
         pytest.param("stage1", "seq8", {"align_target": "heads"}, marks=pytest.mark.slow),
     ],
     ids=["stage3-seq8", "stage3-data2_seq4", "stage1-seq8", "stage1-heads-seq8"],

@@ -171,6 +171,7 @@ def test_heldout_points_logs_and_summaries(finished_run, tmp_path):
     assert (rerun / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # a stage through the pipeline: the end-to-end tier
 def test_heldout_rows_0_turns_the_evaluation_off(tmp_path, capsys):
     c = finished_run_config()
     c.stage1.steps = 1

@@ -50,6 +50,7 @@ def copy(finished, tmp_path, monkeypatch):
     return workdir
 
 
+@pytest.mark.slow  # the trainer run on a damaged checkpoint: fault injection, the end-to-end tier
 def test_a_truncated_array_file_sets_that_step_aside_and_the_previous_one_is_used(finished, copy, capsys):
     data = [p for p in (copy / STAGE / "4" / "model").rglob("*") if p.is_file() and p.parent.name == "d"]
     victim = max(data, key=lambda p: p.stat().st_size)  # the largest array data file of step 4's model
@@ -66,6 +67,7 @@ def test_a_truncated_array_file_sets_that_step_aside_and_the_previous_one_is_use
     assert got[3] == finished[1][3] and got[4] == finished[1][4]
 
 
+@pytest.mark.slow  # the trainer run on a damaged checkpoint: fault injection, the end-to-end tier
 def test_a_checkpoint_of_another_model_width_stops_with_one_line_and_nothing_moved(copy):
     before = _tree(copy)
     with pytest.raises(CheckpointMismatchError) as caught:
@@ -79,6 +81,7 @@ def test_a_checkpoint_of_another_model_width_stops_with_one_line_and_nothing_mov
     assert _tree(copy) == before
 
 
+@pytest.mark.slow  # the trainer run on a damaged checkpoint: fault injection, the end-to-end tier
 def test_an_os_error_on_the_first_read_is_retried_and_the_run_resumes_where_it_stopped(finished, copy, monkeypatch):
     original, calls = ocp.CheckpointManager.restore, []
 
@@ -96,6 +99,7 @@ def test_an_os_error_on_the_first_read_is_retried_and_the_run_resumes_where_it_s
     assert sorted(_losses(copy)) == [1, 2, 3, 4, 5] and _losses(copy)[4] == finished[1][4]  # resumed from step 4
 
 
+@pytest.mark.slow  # the trainer run on a damaged checkpoint: fault injection, the end-to-end tier
 def test_a_permanent_os_error_stops_with_the_message_and_nothing_moved(copy, monkeypatch):
     def broken(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied (injected)", str(copy / STAGE / "4" / "model"))
@@ -111,6 +115,7 @@ def test_a_permanent_os_error_stops_with_the_message_and_nothing_moved(copy, mon
     assert _tree(copy) == before
 
 
+@pytest.mark.slow  # the trainer run on a damaged checkpoint: fault injection, the end-to-end tier
 def test_a_bug_in_the_restore_code_propagates_unchanged_and_moves_nothing(copy, monkeypatch):
     def buggy(self, *args, **kwargs):
         raise TypeError("restore() got an unexpected keyword argument 'x'")
@@ -139,6 +144,7 @@ def test_a_restart_stage_outside_the_run_is_refused_with_the_fix(restart, stages
     check_restart_stage("align", stages)
 
 
+@pytest.mark.slow  # a whole stage through the trainer: the end-to-end tier
 def test_restart_stage_moves_the_stage_aside_and_trains_it_from_step_0(tmp_path):
     from train_helpers import run_train
 

@@ -148,8 +148,9 @@ def whole_run(tokenizer, tmp_path_factory):
     return train_teacher(RECIPE, tokenizer, TEXT, workdir, log=messages.append), messages, workdir
 
 
-# right after the growth to two layers (`make test-all`); inside the mixture
-@pytest.mark.parametrize("kill_step", [pytest.param(2, marks=pytest.mark.slow), 4])
+# right after the growth to two layers; inside the mixture. Kill and resume: the end-to-end tier (`make test-all`)
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_step", [2, 4])
 def test_a_killed_run_resumes_to_the_uninterrupted_one_across_phases(tokenizer, whole_run, kill_step, tmp_path):
     import safetensors.numpy
 

@@ -65,7 +65,9 @@ def _step(kind, micro_batches, chunk_rows=0):
     return grads, metrics
 
 
-@pytest.mark.parametrize("kind", ["align", "distil", "long"])
+@pytest.mark.parametrize(
+    "kind", ["align", pytest.param("distil", marks=pytest.mark.slow), pytest.param("long", marks=pytest.mark.slow)]
+)
 def test_micro_batches_match_the_whole_batch(kind):
     g1, m1 = _step(kind, 1)
     for m in (2, 4):

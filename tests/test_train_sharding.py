@@ -9,6 +9,7 @@ from train_helpers import run_tiny_distil
 from hydrahead_jax.training import sharding as shd
 
 
+@pytest.mark.slow  # a whole stage through the trainer: the end-to-end tier
 def test_mesh_2x2x2_matches_one_device(tmp_path):
     one = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     cube = shd.make_mesh(2, 2, 2)
