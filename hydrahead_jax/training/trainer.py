@@ -434,6 +434,7 @@ def _train(
                     check_finite(done, key, {"params": math.nan}, last_good, ckpt.directory)
                 full = _full_state(gd, state)
                 if ckpt.save(done, full, state["opt_state"], iterator, spec.meta, force=done == steps):
+                    logger.flush()
                     unconfirmed = done
                     if done == steps:
                         last_good = done

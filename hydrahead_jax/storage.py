@@ -1,0 +1,96 @@
+"""Where a run reads and writes: local folders and object-store URLs behind one path type.
+
+Every path of a run — the workdir and all it holds (checkpoints, metrics, TensorBoard, head map, lock, export),
+a head map or model read back, evaluation outputs — is an ``etils.epath.Path`` made by ``run_path``, the path
+type Orbax itself uses. A local path becomes absolute (a later ``chdir`` changes nothing); ``gs://`` and ``s3://``
+URLs stay URLs, so every host of a cluster run reads and writes the same objects. epath serves them through
+fsspec (gcsfs / s3fs), Orbax's arrays go through TensorStore's own GCS/S3 drivers.
+
+Object stores differ from a disk in three ways the run relies on, handled here once:
+- no rename: a "folder" move is a copy and a delete (``move``), not atomic; the run moves folders only aside (a
+  restarted stage, a replaced run), never into a place another process reads meanwhile;
+- no append: ``metrics.jsonl`` is rewritten whole at flush points (``training.metrics``);
+- an object's upload is atomic, so ``write_text_atomic`` writes it directly (a local file goes through a
+  temporary name and ``os.replace``).
+
+A local emulator stands in for GCS in the tests: ``STORAGE_EMULATOR_HOST`` (gcsfs, google-cloud-storage) and
+``TENSORSTORE_GCS_HTTP_URL`` (TensorStore) point the clients at it; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+
+from etils import epath
+
+from hydrahead_jax.config import ConfigError
+
+# scheme -> the fsspec package epath needs for it (TensorStore and Orbax carry their own drivers)
+OBJECT_STORE_CLIENTS = {"gs": "gcsfs", "s3": "s3fs"}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
+
+
+def is_object_store(path) -> bool:
+    """Whether ``path`` (a str or path) is an object-store URL (gs://, s3://)."""
+    return os.fspath(path).split("://", 1)[0] in OBJECT_STORE_CLIENTS and "://" in os.fspath(path)
+
+
+def run_path(path, *, what: str = "path") -> epath.Path:
+    """``path`` as the run reads and writes it: an object-store URL stays a URL, a local path becomes absolute.
+
+    A scheme other than gs:// and s3://, a URL written with one slash (``gs:/bucket``) or a URL whose client
+    package is missing is refused in one line naming ``what`` (e.g. ``--workdir``) and the fix."""
+    text = os.fspath(path)
+    match = _URL.match(text)
+    if match is None:
+        return epath.Path(os.path.abspath(text))
+    scheme = match.group(1).lower()
+    if scheme not in OBJECT_STORE_CLIENTS:
+        raise ConfigError(
+            f"{what} {text}: the {scheme}:// scheme is not supported; use a local path, gs://BUCKET/PATH or "
+            "s3://BUCKET/PATH."
+        )
+    if not text.startswith(f"{scheme}://") or len(text) <= len(scheme) + 3:
+        raise ConfigError(f"{what} {text} is not a complete URL; write it as {scheme}://BUCKET/PATH.")
+    client = OBJECT_STORE_CLIENTS[scheme]
+    if importlib.util.find_spec(client) is None:
+        raise ConfigError(f"{what} {text} needs the {client} package for {scheme}:// paths; pip install {client}.")
+    return epath.Path(text)
+
+
+def write_text_atomic(path: epath.Path, text: str) -> None:
+    """Replace ``path``'s content with ``text`` so a reader sees the old or the new content, never a part: a
+    local file through a temporary name and ``os.replace``, an object in one upload (objects are atomic)."""
+    if is_object_store(path):
+        path.write_text(text)
+        return
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def move(src: epath.Path, dst: epath.Path) -> None:
+    """Move a file or folder (a rename on a disk; a copy and a delete on an object store)."""
+    if is_object_store(src):
+        src.rename(dst)
+    else:
+        shutil.move(os.fspath(src), os.fspath(dst))
+
+
+def remove_tree(path: epath.Path) -> None:
+    """Delete a folder and everything in it (nothing when it is not there)."""
+    if path.exists():
+        path.rmtree()
+
+
+def files_under(folder: epath.Path) -> list[epath.Path]:
+    """Every file below ``folder``, sorted (epath refuses ``rglob`` on object stores, and fsspec's ``walk`` names
+    objects without their scheme, so the folders are listed one by one)."""
+    found, pending = [], [folder]
+    while pending:
+        for entry in pending.pop().iterdir():
+            (pending if entry.is_dir() else found).append(entry)
+    return sorted(found, key=os.fspath)
