@@ -31,7 +31,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model
-from hydrahead_jax.storage import files_under, move, remove_tree, run_path
+from hydrahead_jax.storage import file_size, files_under, move, remove_tree, run_path
 
 MANIFEST = "MANIFEST.json"
 TOKENIZER_DIR = "tokenizer"
@@ -105,7 +105,7 @@ def _write_metadata(tmp: epath.Path, cfg, head_map, hybrid_cfg, tokenizer, resol
         _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
     if resolved_config is not None:
         (tmp / "train_config.json").write_text(json.dumps(resolved_config, indent=2, sort_keys=True, default=str))
-    manifest = {os.fspath(p)[len(os.fspath(tmp)) + 1 :]: p.stat().length for p in files_under(tmp)}
+    manifest = {os.fspath(p)[len(os.fspath(tmp)) + 1 :]: file_size(p) for p in files_under(tmp)}
     (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
 
 
@@ -138,8 +138,8 @@ def check_export(path: epath.Path) -> None:
         file = path / name
         if not file.is_file():
             raise DamagedExportError(path, f"{name} is missing")
-        if file.stat().length != size:
-            raise DamagedExportError(path, f"{name} has {file.stat().length} bytes, {size} were written")
+        if file_size(file) != size:
+            raise DamagedExportError(path, f"{name} has {file_size(file)} bytes, {size} were written")
 
 
 def _short(err: BaseException) -> str:

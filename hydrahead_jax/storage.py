@@ -1,10 +1,12 @@
 """Where a run reads and writes: local folders and object-store URLs behind one path type.
 
 Every path of a run — the workdir and all it holds (checkpoints, metrics, TensorBoard, head map, lock, export),
-a head map or model read back, evaluation outputs — is an ``etils.epath.Path`` made by ``run_path``, the path
-type Orbax itself uses. A local path becomes absolute (a later ``chdir`` changes nothing); ``gs://`` and ``s3://``
-URLs stay URLs, so every host of a cluster run reads and writes the same objects. epath serves them through
-fsspec (gcsfs / s3fs), Orbax's arrays go through TensorStore's own GCS/S3 drivers.
+a head map or model read back, evaluation outputs — is made by ``run_path``: a local path becomes an absolute
+``pathlib.Path`` (a later ``chdir`` changes nothing), and ``gs://`` and ``s3://`` URLs stay URLs as an
+``etils.epath.Path`` (the path type Orbax itself uses), so every host of a cluster run reads and writes the same
+objects. epath serves them through fsspec (gcsfs / s3fs); Orbax's arrays go through TensorStore's own GCS/S3
+drivers. Code that handles a run's paths uses what both types share (``/``, ``exists``, ``is_dir``, ``iterdir``,
+``read_text``/``write_text``, ``open``, ``mkdir``, ``unlink``) and the functions here for the rest.
 
 Object stores differ from a disk in three ways the run relies on, handled here once:
 - no rename: a "folder" move is a copy and a delete (``move``), not atomic; the run moves folders only aside (a
@@ -23,6 +25,7 @@ import importlib.util
 import os
 import re
 import shutil
+from pathlib import Path
 
 from etils import epath
 
@@ -38,7 +41,7 @@ def is_object_store(path) -> bool:
     return os.fspath(path).split("://", 1)[0] in OBJECT_STORE_CLIENTS and "://" in os.fspath(path)
 
 
-def run_path(path, *, what: str = "path") -> epath.Path:
+def run_path(path, *, what: str = "path") -> Path | epath.Path:
     """``path`` as the run reads and writes it: an object-store URL stays a URL, a local path becomes absolute.
 
     A scheme other than gs:// and s3://, a URL written with one slash (``gs:/bucket``) or a URL whose client
@@ -46,7 +49,7 @@ def run_path(path, *, what: str = "path") -> epath.Path:
     text = os.fspath(path)
     match = _URL.match(text)
     if match is None:
-        return epath.Path(os.path.abspath(text))
+        return Path(os.path.abspath(text))
     scheme = match.group(1).lower()
     if scheme not in OBJECT_STORE_CLIENTS:
         raise ConfigError(
@@ -61,7 +64,7 @@ def run_path(path, *, what: str = "path") -> epath.Path:
     return epath.Path(text)
 
 
-def write_text_atomic(path: epath.Path, text: str) -> None:
+def write_text_atomic(path, text: str) -> None:
     """Replace ``path``'s content with ``text`` so a reader sees the old or the new content, never a part: a
     local file through a temporary name and ``os.replace``, an object in one upload (objects are atomic)."""
     if is_object_store(path):
@@ -72,7 +75,7 @@ def write_text_atomic(path: epath.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def move(src: epath.Path, dst: epath.Path) -> None:
+def move(src, dst) -> None:
     """Move a file or folder (a rename on a disk; a copy and a delete on an object store)."""
     if is_object_store(src):
         src.rename(dst)
@@ -80,13 +83,22 @@ def move(src: epath.Path, dst: epath.Path) -> None:
         shutil.move(os.fspath(src), os.fspath(dst))
 
 
-def remove_tree(path: epath.Path) -> None:
+def remove_tree(path) -> None:
     """Delete a folder and everything in it (nothing when it is not there)."""
-    if path.exists():
-        path.rmtree()
+    if is_object_store(path):
+        if path.exists():
+            path.rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def files_under(folder: epath.Path) -> list[epath.Path]:
+def file_size(path) -> int:
+    """A file's size in bytes (epath's ``stat`` names it ``length``, pathlib's ``st_size``)."""
+    info = path.stat()
+    return info.length if hasattr(info, "length") else info.st_size
+
+
+def files_under(folder) -> list:
     """Every file below ``folder``, sorted (epath refuses ``rglob`` on object stores, and fsspec's ``walk`` names
     objects without their scheme, so the folders are listed one by one)."""
     found, pending = [], [folder]

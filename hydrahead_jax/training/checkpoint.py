@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.run_config import STAGES, RunConfig
-from hydrahead_jax.storage import files_under, is_object_store, move, run_path
+from hydrahead_jax.storage import file_size, files_under, is_object_store, move, run_path
 
 log = logging.getLogger(__name__)
 
@@ -616,7 +616,7 @@ def _tensorstore_damage(message: str, directory: Path) -> str | None:
     size = message.rsplit("value of size ", 1)[-1].split()[0] if "value of size " in message else None
     if size is not None and size.isdigit():
         first = run_path(named[0])
-        files += [str(p) for p in files_under(first) if p.stat().length == int(size)] if first.is_dir() else []
+        files += [str(p) for p in files_under(first) if file_size(p) == int(size)] if first.is_dir() else []
     where = ", ".join(dict.fromkeys(files)) if files else named[-1]
     return f"{where}: {_one_line(message)}"
 
