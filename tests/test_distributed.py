@@ -176,6 +176,8 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     run.kill()
     assert checkpoint.is_dir() and finished_early == [None, None], f"no stage-2 checkpoint\n{run.tails()}"
     assert not (multi / "stage2_distil" / "DONE").exists(), "killed after stage 2 finished: not mid-stage"
+    logs = [log.read_text() for log in run.logs]
+    assert "[select] head map" in logs[0] and "[select]" not in logs[1], "stage 0 runs on process 0 alone"
     killed = _losses(multi)
     assert ("stage2_distil", "train", 2) in killed
     # Two processes reduce over the 8 devices in another order than one: measured (2026-12-03, 2-core AMD EPYC),

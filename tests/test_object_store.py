@@ -185,3 +185,12 @@ def test_a_run_on_gs_is_killed_resumed_exported_and_read_back(gcs, tmp_path):
         )
     assert list(cwd.iterdir()) == []  # nothing of the run on the local disk
     assert not (ROOT / "gs:").exists()
+
+
+def test_eval_refuses_an_object_store_out_folder_before_loading_anything(capsys, tmp_path):
+    from hydrahead_jax.evaluation.cli import main
+
+    status = main(["--model", str(tmp_path / "absent"), "--out", "gs://bucket/eval"])
+    err = capsys.readouterr().err
+    assert status == 2 and "--out gs://bucket/eval" in err and "local --out" in err
+    assert "does not exist" not in err  # refused before the model is looked at
