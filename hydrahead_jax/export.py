@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model
-from hydrahead_jax.storage import file_size, files_under, move, remove_tree, run_path
+from hydrahead_jax.storage import RunPath, file_size, files_under, move, remove_tree, run_path
 
 MANIFEST = "MANIFEST.json"
 TOKENIZER_DIR = "tokenizer"
@@ -41,12 +40,12 @@ NEEDED = ("params", "head_map.json", "model_config.json", "hybrid_config.json")
 class DamagedExportError(RuntimeError):
     """An export folder with a missing, truncated or unreadable part."""
 
-    def __init__(self, path: epath.Path, what: str):
+    def __init__(self, path: RunPath, what: str):
         super().__init__(f"this export is damaged: {what} (in {path}); rerun train.py on its workdir to export again.")
 
 
 def export_final(
-    out: str | epath.Path,
+    out: str | RunPath,
     graphdef,
     full_state,
     cfg: ModelConfig,
@@ -56,7 +55,7 @@ def export_final(
     tokenizer=None,
     teacher_source: str | None = None,
     resolved_config: dict | None = None,
-) -> epath.Path:
+) -> RunPath:
     """Write the folder (see the module doc). ``tokenizer``: the teacher's (models.tokenizer.Tokenizer); without
     it, the one of ``teacher_source`` when that names a checkpoint."""
     out = run_path(out)
@@ -96,7 +95,7 @@ def export_final(
     return out
 
 
-def _write_metadata(tmp: epath.Path, cfg, head_map, hybrid_cfg, tokenizer, resolved_config) -> None:
+def _write_metadata(tmp: RunPath, cfg, head_map, hybrid_cfg, tokenizer, resolved_config) -> None:
     """Everything of the export besides the parameters, and the manifest of all its files."""
     head_map.save(tmp / "head_map.json")
     (tmp / "model_config.json").write_text(cfg.to_json())
@@ -109,7 +108,7 @@ def _write_metadata(tmp: epath.Path, cfg, head_map, hybrid_cfg, tokenizer, resol
     (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
 
 
-def _save_tokenizer(tokenizer, folder: epath.Path) -> None:
+def _save_tokenizer(tokenizer, folder: RunPath) -> None:
     """A Hugging Face tokenizer folder that models.tokenizer.tokenizer_from_folder reads back identically."""
     folder.mkdir()
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str(pretty=True))
@@ -125,7 +124,7 @@ def _save_tokenizer(tokenizer, folder: epath.Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
 
-def check_export(path: epath.Path) -> None:
+def check_export(path: RunPath) -> None:
     """Raise DamagedExportError naming the first missing or truncated file (from MANIFEST.json), before any read."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -150,7 +149,7 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {line[:240]}"
 
 
-def load_hydrahead(path: str | epath.Path, *, device=None):
+def load_hydrahead(path: str | RunPath, *, device=None):
     """(HydraHead Transformer, tokenizer or None) from an exported folder (``workdir/final``).
 
     A missing, truncated or unreadable part raises DamagedExportError (one line naming it)."""
@@ -277,7 +276,7 @@ def stack_per_layer_export(raw: dict, abs_state, cfg: ModelConfig, head_map: Hea
     return nnx.from_flat_state(flat)
 
 
-def _load_tokenizer(path: epath.Path):
+def _load_tokenizer(path: RunPath):
     """The export's own tokenizer folder; an older export's tokenizer.json that names the teacher's source."""
     from hydrahead_jax.models.tokenizer import load_tokenizer, tokenizer_from_folder
 

@@ -31,6 +31,8 @@ from etils import epath
 
 from hydrahead_jax.config import ConfigError
 
+RunPath = Path | epath.Path  # what ``run_path`` returns: a local path or an object-store URL
+
 # scheme -> the fsspec package epath needs for it (TensorStore and Orbax carry their own drivers)
 OBJECT_STORE_CLIENTS = {"gs": "gcsfs", "s3": "s3fs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
@@ -41,7 +43,7 @@ def is_object_store(path) -> bool:
     return os.fspath(path).split("://", 1)[0] in OBJECT_STORE_CLIENTS and "://" in os.fspath(path)
 
 
-def run_path(path, *, what: str = "path") -> Path | epath.Path:
+def run_path(path, *, what: str = "path") -> RunPath:
     """``path`` as the run reads and writes it: an object-store URL stays a URL, a local path becomes absolute.
 
     A scheme other than gs:// and s3://, a URL written with one slash (``gs:/bucket``) or a URL whose client
@@ -76,9 +78,13 @@ def write_text_atomic(path, text: str) -> None:
 
 
 def move(src, dst) -> None:
-    """Move a file or folder (a rename on a disk; a copy and a delete on an object store)."""
+    """Move a file or folder (a rename on a disk; a copy and a delete on an object store, where a folder exists
+    only as the prefix of its objects, so ``dst``'s parent need not exist)."""
     if is_object_store(src):
-        src.rename(dst)
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(os.fspath(src))
+        fs.mv(os.fspath(src), os.fspath(dst), recursive=True)
     else:
         shutil.move(os.fspath(src), os.fspath(dst))
 

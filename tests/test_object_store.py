@@ -15,7 +15,7 @@ from gcs_emulator import BUCKET, emulator_env, gcs_emulator
 from train_helpers import ROOT, run_train
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.storage import files_under, run_path
+from hydrahead_jax.storage import files_under, move, run_path
 from hydrahead_jax.training.checkpoint import LeaseLock, WorkdirError, WorkdirLock
 from hydrahead_jax.training.metrics import JsonlAppender
 
@@ -53,6 +53,20 @@ def test_files_under_lists_nested_objects(gcs):
         (root / name).write_text(name)
     got = [os.fspath(p)[len(os.fspath(root)) + 1 :] for p in files_under(root)]
     assert got == ["a.json", "d/b.json", "d/e/c.bin"]
+
+
+def test_move_puts_a_folder_under_a_parent_that_holds_no_object_yet(gcs):
+    """A quarantined step goes to <stage>/corrupt/<step>-<time>, a replaced run to <workdir>.replaced-<time>/…:
+    on an object store that parent is only a prefix until the move writes into it."""
+    root = run_path(f"gs://{BUCKET}/moving")
+    for name in ("4/model/a.bin", "4/meta/m.json"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name)
+    move(root / "4", root / "corrupt" / "4-late")
+    assert not (root / "4").exists()
+    moved = root / "corrupt" / "4-late"
+    assert [os.fspath(p)[len(os.fspath(moved)) + 1 :] for p in files_under(moved)] == ["meta/m.json", "model/a.bin"]
+    assert (moved / "model" / "a.bin").read_text() == "4/model/a.bin"
 
 
 # ------------------------------------------------------------------------------------------------ lease

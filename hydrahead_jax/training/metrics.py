@@ -14,10 +14,9 @@ import time
 from typing import Any
 
 import jax
-from etils import epath
 from tqdm import tqdm
 
-from hydrahead_jax.storage import is_object_store, run_path, write_text_atomic
+from hydrahead_jax.storage import RunPath, is_object_store, run_path, write_text_atomic
 
 
 class NonFiniteLossError(RuntimeError):
@@ -97,7 +96,7 @@ class StageLogger:
 
     def __init__(
         self,
-        workdir: epath.Path,
+        workdir: RunPath,
         stage: str,
         *,
         total_steps: int,
@@ -105,7 +104,7 @@ class StageLogger:
         tokens_per_step: int,
         tensorboard: bool = True,
         progress: bool = True,
-        heldout_file: epath.Path | None = None,
+        heldout_file: RunPath | None = None,
         heldout_shape: tuple[int, int] | None = None,
     ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
@@ -214,7 +213,7 @@ def all_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(v) for k, v in metrics.items() if k in GUARDED_METRICS)
 
 
-def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: epath.Path):
+def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: RunPath):
     """Raise NonFiniteLossError naming the values, the step and the checkpoint a rerun resumes from."""
     bad = {k: v for k, v in metrics.items() if k in GUARDED_METRICS and not math.isfinite(v)}
     if bad:

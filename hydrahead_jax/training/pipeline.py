@@ -11,7 +11,6 @@ import logging
 import time
 
 import jax
-from etils import epath
 from flax import nnx
 
 from hydrahead_jax.compilation import release_compiled
@@ -33,7 +32,7 @@ from hydrahead_jax.run_config import (
 )
 from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.selection.select import validate_config
-from hydrahead_jax.storage import move, run_path
+from hydrahead_jax.storage import RunPath, move, run_path
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import (
     StageCheckpointer,
@@ -162,7 +161,7 @@ def student_config(run: RunConfig, cfg: ModelConfig, stage: Stage) -> ModelConfi
     return cfg
 
 
-def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: epath.Path) -> HeadMap:
+def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: RunPath) -> HeadMap:
     """Stage 0: the head map (written to workdir/head_map.json; reused when already there).
 
     Process 0 alone makes and writes it; every process then builds its student from that one file, so the hosts
@@ -178,8 +177,7 @@ def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig
         sync_processes("head map")  # the others read the map once process 0 has written it (or failed)
     if not out.exists():
         raise SelectionError(f"process 0 wrote no head map to {out} (its error says why and how to fix it).")
-    head_map = HeadMap.load(out, cfg)
-    return head_map
+    return HeadMap.load(out, cfg)
 
 
 def _new_head_map(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir) -> HeadMap:
@@ -232,13 +230,13 @@ def initial_student(run: RunConfig, teacher, tokenizer, head_map: HeadMap, store
 # ------------------------------------------------------------------------------------------------ pipeline
 def run_pipeline(
     run: RunConfig,
-    workdir: str | epath.Path,
+    workdir: str | RunPath,
     *,
     only_stage: str | None = None,
     until_stage: str | None = None,
     force_new: bool = False,
     restart_stage: str | None = None,
-) -> epath.Path | None:
+) -> RunPath | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
 
     ``restart_stage`` (a training stage's name) moves that stage's checkpoints aside (``<dir>.restarted-<time>``)
@@ -263,12 +261,12 @@ def run_pipeline(
 
 def _run_locked(
     run: RunConfig,
-    workdir: epath.Path,
+    workdir: RunPath,
     stages: list[str],
     force_new: bool,
     lock: WorkdirLock,
     restart_stage: str | None,
-) -> epath.Path | None:
+) -> RunPath | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
@@ -407,7 +405,7 @@ def set_aside(stage_dir, why: str, note: str) -> None:
     sync_processes(f"moved {stage_dir.name}")
 
 
-def final_state_before(workdir: epath.Path, index: int, abstract_student, mesh):
+def final_state_before(workdir: RunPath, index: int, abstract_student, mesh):
     """Final full state of the stage before STAGES[index] (which must have finished)."""
     stage, prev = STAGES[index], STAGES[index - 1]
     if finished_step(workdir / prev.directory) is None:  # checked before a CheckpointManager (and its threads) exists
