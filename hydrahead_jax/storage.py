@@ -21,10 +21,13 @@ A local emulator stands in for GCS in the tests: ``STORAGE_EMULATOR_HOST`` (gcsf
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from etils import epath
@@ -102,6 +105,27 @@ def file_size(path) -> int:
     """A file's size in bytes (epath's ``stat`` names it ``length``, pathlib's ``st_size``)."""
     info = path.stat()
     return info.length if hasattr(info, "length") else info.st_size
+
+
+@contextlib.contextmanager
+def local_mirror(url: str) -> Iterator[Path]:
+    """A temporary local folder standing in for the object-store folder ``url``, for a writer that appends to and
+    renames its files (eval.py's journal): filled with ``url``'s objects on entry, every file written back on exit,
+    error or not (a process killed meanwhile loses what it wrote since entry; rerunning resumes from what is in the
+    bucket)."""
+    remote = run_path(url)
+    with tempfile.TemporaryDirectory(prefix="hydrahead-mirror-") as tmp:
+        local = Path(tmp)
+        if remote.exists():
+            for obj in files_under(remote):
+                dst = local / os.fspath(obj)[len(os.fspath(remote)) + 1 :]
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(obj.read_bytes())
+        try:
+            yield local
+        finally:
+            for file in sorted(p for p in local.rglob("*") if p.is_file()):
+                (remote / file.relative_to(local).as_posix()).write_bytes(file.read_bytes())
 
 
 def files_under(folder) -> list:

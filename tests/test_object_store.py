@@ -15,7 +15,7 @@ from gcs_emulator import BUCKET, emulator_env, gcs_emulator
 from train_helpers import ROOT, run_train
 
 from hydrahead_jax.config import ConfigError
-from hydrahead_jax.storage import files_under, move, run_path
+from hydrahead_jax.storage import files_under, local_mirror, move, run_path
 from hydrahead_jax.training.checkpoint import LeaseLock, WorkdirError, WorkdirLock
 from hydrahead_jax.training.metrics import JsonlAppender
 
@@ -201,10 +201,17 @@ def test_a_run_on_gs_is_killed_resumed_exported_and_read_back(gcs, tmp_path):
     assert not (ROOT / "gs:").exists()
 
 
-def test_eval_refuses_an_object_store_out_folder_before_loading_anything(capsys, tmp_path):
-    from hydrahead_jax.evaluation.cli import main
-
-    status = main(["--model", str(tmp_path / "absent"), "--out", "gs://bucket/eval"])
-    err = capsys.readouterr().err
-    assert status == 2 and "--out gs://bucket/eval" in err and "local --out" in err
-    assert "does not exist" not in err  # refused before the model is looked at
+def test_an_evaluation_folder_on_gs_is_mirrored_locally_and_written_back(gcs):
+    """eval.py --out gs://…: the journal a previous run left in the bucket is there to resume from, and what the
+    run appends and adds is in the bucket afterwards, also when the run fails."""
+    url = f"gs://{BUCKET}/eval"
+    (run_path(url) / "journal.jsonl").write_text('{"unit": 1}\n')
+    with pytest.raises(RuntimeError, match="stopped"), local_mirror(url) as local:
+        assert (local / "journal.jsonl").read_text() == '{"unit": 1}\n'
+        with open(local / "journal.jsonl", "a") as journal:
+            journal.write('{"unit": 2}\n')
+        (local / "plots").mkdir()
+        (local / "plots" / "a.png").write_bytes(b"\x89PNG")
+        raise RuntimeError("stopped")
+    assert (run_path(url) / "journal.jsonl").read_text() == '{"unit": 1}\n{"unit": 2}\n'
+    assert (run_path(url) / "plots" / "a.png").read_bytes() == b"\x89PNG"

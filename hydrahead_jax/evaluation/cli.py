@@ -12,7 +12,7 @@ from hydrahead_jax.evaluation.journal import JournalError
 from hydrahead_jax.evaluation.models import ModelSpecError, load_model, load_models
 from hydrahead_jax.evaluation.report import write_outputs, write_results
 from hydrahead_jax.evaluation.suite import Settings, Suite, SuiteError, parse_lengths, parse_suite
-from hydrahead_jax.storage import is_object_store
+from hydrahead_jax.storage import is_object_store, local_mirror
 
 DEFAULT_SUITE = "niah,passkey,multikey,kv,ppl,agreement,efficiency"
 
@@ -157,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.combine:
         return combine_runs(args.combine, Path(args.out))
+    if is_object_store(args.out):  # the journal grows line by line: written locally, copied to the bucket
+        with local_mirror(args.out) as out:
+            return evaluate(args, out)
+    return evaluate(args, Path(args.out))
+
+
+def evaluate(args, out: Path) -> int:
+    """The evaluation of ``--model`` (resumed from the journal in ``out``), its report written to ``out``."""
     try:
         settings = settings_from_args(args)
-        if is_object_store(args.out):
-            raise SuiteError(
-                f"--out {args.out}: the evaluation writes a local folder (its journal grows line by line as prompts "
-                "finish, which an object store cannot append to); give a local --out and copy the folder to the "
-                "bucket afterwards (e.g. gcloud storage cp -r OUT gs://BUCKET/PATH)."
-            )
-        out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise SuiteError(f"--out {out} exists and is not a folder.")
         models = load_models(args.model)
