@@ -211,8 +211,14 @@ def run_tiny_distil(workdir, mesh, *, steps=5, checkpoint_every=None, model_chan
         directory=workdir / "stage2_distil",
         trainable=nnx.Param,
         meta={},
-        make_iterator=lambda: make_stage_iterator(
-            run.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size, synthetic_rate=0.0
+        make_iterator=lambda start_batch: make_stage_iterator(
+            run.data,
+            seq_len=32,
+            batch_size=4,
+            seed=1,
+            vocab_size=cfg.vocab_size,
+            synthetic_rate=0.0,
+            start_batch=start_batch,
         ),
     )
     final = run_stage(
