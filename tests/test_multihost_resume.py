@@ -260,9 +260,10 @@ def four_stopped(tmp_path_factory) -> tuple[Path, int]:
 
 @pytest.fixture(scope="module")
 def two_stopped(tmp_path_factory) -> tuple[Path, int]:
-    """Two processes of 2 devices, SIGTERM to process 1: (workdir, the step both stopped after)."""
+    """Two processes of 2 devices, SIGTERM to process 0 (the coordinator's host): (workdir, the step both stopped
+    after)."""
     base = tmp_path_factory.mktemp("two")
-    return base / "run", _preempt(base / "run", base / "logs", processes=2, devices=2, signalled=1)
+    return base / "run", _preempt(base / "run", base / "logs", processes=2, devices=2, signalled=0)
 
 
 def _resume(stopped: tuple[Path, int], tmp_path: Path, *, processes: int, devices: int) -> tuple[Path, str]:
