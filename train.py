@@ -13,7 +13,10 @@ and steps/tokens may change on a rerun (it continues with them; a finished stage
 the stages after it rerun). A checkpoint whose files are damaged is set aside and the previous one used; one
 that does not match the run, or cannot be read, stops the run with nothing moved (--restart_stage=NAME trains
 that stage over instead). One run owns a workdir at a time (a lock a killed run does not leave behind).
-SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
+SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume. On several
+processes a SIGTERM to any one of them reaches all (JAX's coordination service), and every process stops after the
+same step, saves it once and exits with 143. A stage resumes on another number of processes or another mesh (the
+global batch stays: config.<stage>.batch_size is part of the run).
 
 Multi-process (--config.distributed=True): every process runs the same command; jax.distributed.initialize()
 joins them before any other JAX call. Under SLURM, Open MPI, Kubernetes (JobSet) or on a Cloud TPU slice JAX finds

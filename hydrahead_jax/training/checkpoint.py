@@ -4,9 +4,14 @@ Layout of a stage directory (``workdir/stage1_align`` ...)::
 
     <step>/model      full student state (every Variable), sharded arrays
     <step>/opt        optax state of the trained parameters
-    <step>/data       grain iterator state (one JSON per process)
-    <step>/meta       {"step", "stage", "tokens_seen", "config_hash", "config"}
+    <step>/meta       {"step", "stage", "config_hash", "config", "data_position"}
     DONE              written after the final step's save has finished
+
+The data position is global (``training.data.DataPosition``: the global batches read), so a checkpoint resumes on
+any number of processes and any mesh: the arrays are restored onto the new run's shardings, and each process reads
+its own rows of the batches that follow. Older checkpoints hold grain's iterator state per process instead
+(``<step>/data/process_<i>-of-<n>.json``), each the same number of batches, read from there
+(``legacy_data_position``).
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save
 (SIGKILL included) leaves either the whole step or none of it. A step that still does not restore (a disk
@@ -14,9 +19,9 @@ error, a corrupted file) is reported, moved to ``corrupt/`` and the previous ste
 the step's own files moves it; a checkpoint of another structure, or a read that keeps failing, stops the run
 with nothing moved (see "restore errors" below).
 
-Multi-process runs: every process calls save and restore (each writes and reads its own shards, and its own
-iterator state under ``data``); Orbax writes the metadata once. The files of the workdir itself (run_config.json,
-DONE, a quarantined step's move) are written by process 0 alone, and every process waits at a barrier after each
+Multi-process runs: every process calls save and restore (each writes and reads its own shards, whatever the
+process count that wrote them); Orbax writes the metadata and the meta once. The files of the workdir itself
+(run_config.json, DONE, a quarantined step's move) are written by process 0 alone, and every process waits at a barrier after each
 such write, so none reads a state the others have not reached.
 """
 
@@ -36,13 +41,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.run_config import STAGES, RunConfig
 from hydrahead_jax.storage import file_size, files_under, is_object_store, move, run_path
+from hydrahead_jax.training.data import DataPosition
 
 log = logging.getLogger(__name__)
 
@@ -403,9 +408,8 @@ class StageCheckpointer:
         self._open()
 
     def _open(self):
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=self._options, item_names=("model", "opt", "data", "meta")
-        )
+        # "data": the per-process iterator state of older checkpoints, read by legacy_data_position only.
+        self.manager = _Manager(self.directory, options=self._options, item_names=("model", "opt", "data", "meta"))
 
     # ---------------------------------------------------------------------------------------------- state
     @property
@@ -427,14 +431,22 @@ class StageCheckpointer:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
+    def latest_step(self) -> int | None:
+        """The newest step saved or being saved, from this manager's own record (no directory read): the same on
+        every process, where a listing could still miss a save in flight on one of them."""
+        return self.manager.latest_step()
+
     # ---------------------------------------------------------------------------------------------- save
-    def save(self, step: int, model_state, opt_state, iterator, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Start an (async) save of ``step``; returns False when the interval policy skips it."""
+    def save(
+        self, step: int, model_state, opt_state, position: DataPosition, meta: dict[str, Any], *, force: bool = False
+    ) -> bool:
+        """Start an (async) save of ``step``, its data ``position`` in the meta; returns False when the interval
+        policy skips it."""
+        meta = dict(meta, step=int(step), **{DataPosition.META_KEY: position.to_json()})
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(model_state),
             opt=ocp.args.StandardSave(opt_state),
-            data=grain.checkpoint.CheckpointSave(iterator),
-            meta=ocp.args.JsonSave(dict(meta, step=int(step))),
+            meta=ocp.args.JsonSave(meta),
         )
         return self.manager.save(int(step), args=args, force=force)
 
@@ -477,27 +489,44 @@ class StageCheckpointer:
         sync_processes("quarantine")
         self._open()
 
-    def _restore(self, step: int, targets: dict[str, Any], iterator=None):
-        """``manager.restore`` of the items in ``targets`` (abstract trees; "data" restores ``iterator`` in place,
-        "meta" the JSON), sorted by what a failure is: see ``restore_step``."""
+    def _restore(self, step: int, targets: dict[str, Any], *, batch_size: int | None = None):
+        """``manager.restore`` of the items in ``targets`` (abstract trees) and "meta" (the JSON), and given the
+        run's global ``batch_size``, the step's DataPosition under "position"; sorted by what a failure is: see
+        ``restore_step``."""
+        step_dir = self.directory / str(step)
 
-        def args():
+        def restore():
             items = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
-            if iterator is not None:
-                items["data"] = grain.checkpoint.CheckpointRestore(iterator)
-            items["meta"] = ocp.args.JsonRestore()
-            return ocp.args.Composite(**items)
+            out = dict(self.manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore())))
+            if batch_size is not None:
+                out["position"] = self._position(step_dir, out["meta"], batch_size)
+            return out
 
         def check():
-            step_dir = self.directory / str(step)
-            items = list(targets) + (["data"] if iterator is not None else []) + ["meta"]
-            check_step_files(step_dir, items, pytree_items=tuple(targets))
+            check_step_files(step_dir, list(targets) + ["meta"], pytree_items=tuple(targets))
             stored = {name: stored_metadata(step_dir / name) for name in targets}
             check_matches(stored, targets, where=f"checkpoint step {step} in {self.directory}")
 
-        return restore_step(
-            self.directory / str(step), lambda: self.manager.restore(step, args=args()), check=check, hint=self._hint
-        )
+        return restore_step(step_dir, restore, check=check, hint=self._hint)
+
+    def _position(self, step_dir: Path, meta: dict[str, Any], batch_size: int) -> DataPosition:
+        """The data position of the checkpoint in ``step_dir``: its meta's, or (written before positions were
+        global) the batches its per-process iterator states read, of this run's ``batch_size`` (the workdir's config
+        check refused another). CheckpointMismatchError where it is not a whole number of this run's batches."""
+        try:
+            position = DataPosition.from_meta(meta)
+        except ValueError as err:
+            raise CheckpointMismatchError(f"{step_dir}/meta: {err}.") from None
+        if position is None:
+            return DataPosition(legacy_data_position(step_dir / "data"), batch_size)
+        if position.batch_size != batch_size:
+            key = next((s.config_key for s in STAGES if s.name == self.stage), "<stage>")
+            raise CheckpointMismatchError(
+                f"{step_dir} read global batches of {position.batch_size} rows and this run's are {batch_size}: "
+                f"its data position is no whole batch of this run (resume with --config.{key}.batch_size="
+                f"{position.batch_size})."
+            )
+        return position
 
     @property
     def _hint(self) -> str:
@@ -507,20 +536,22 @@ class StageCheckpointer:
             "train it from step 0."
         )
 
-    def restore_latest(self, abstract_model, abstract_opt, iterator):
-        """(step, model_state, opt_state, meta) of the newest step that restores, or None when every step is
-        damaged (each then in ``corrupt/``, listed in ``self.quarantined``) or there is none.
+    def restore_latest(self, abstract_model, abstract_opt, batch_size: int):
+        """(step, model_state, opt_state, data position) of the newest step that restores, or None when every
+        step is damaged (each then in ``corrupt/``, listed in ``self.quarantined``) or there is none.
+        ``batch_size``: the run's global batch (a position of another one is refused).
 
-        Restores the grain iterator in place. Only a step whose own files are damaged is set aside; a checkpoint
-        of another structure (CheckpointMismatchError) or a read that keeps failing (CheckpointReadError) stops
-        the run with nothing moved, and any other error propagates as it is."""
+        The arrays are placed by the targets' shardings, whatever mesh and process count wrote them. Only a step
+        whose own files are damaged is set aside; a checkpoint of another structure or without a data position
+        (CheckpointMismatchError) or a read that keeps failing (CheckpointReadError) stops the run with nothing
+        moved, and any other error propagates as it is."""
         for step in reversed(self.steps()):
             try:
-                out = self._restore(step, {"model": abstract_model, "opt": abstract_opt}, iterator)
+                out = self._restore(step, {"model": abstract_model, "opt": abstract_opt}, batch_size=batch_size)
             except DamagedCheckpointError as damage:
                 self._quarantine(step, str(damage))
                 continue
-            return step, out["model"], out["opt"], out["meta"]
+            return step, out["model"], out["opt"], out["position"]
         return None
 
     def restore_model(self, abstract_model):
@@ -539,6 +570,39 @@ class StageCheckpointer:
             self.clear_done()
             return None
         return out["model"]
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's CheckpointManager without its own look at the preemption sync point: the trainer asks it once per
+    step with a count of its own (``trainer.PreemptionWatch``) and saves on it with ``force``. Orbax asks with the
+    step it saves, which starts again at every stage and, asked between the trainer's calls, would hand the
+    coordination service another count than the one every process's loop goes by."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
+_LEGACY_STATE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def legacy_data_position(data_dir: Path) -> int:
+    """The global batches read by a checkpoint written before positions were global: its ``data`` folder holds
+    grain's iterator state per process (``process_<i>-of-<n>.json``: ``{"next_index": batches}``), and every
+    process reads its rows of the same global batches, so every file holds the same number. DamagedCheckpointError
+    when the folder or a process's file is missing; CheckpointMismatchError when the files name no one number."""
+    data_dir = run_path(data_dir)
+    found = sorted(data_dir.glob("process_*-of-*.json")) if data_dir.is_dir() else []
+    counts = {int(m[2]) for p in found if (m := _LEGACY_STATE.fullmatch(p.name))}
+    if not counts:
+        raise DamagedCheckpointError(f"{data_dir} is missing (and the meta holds no data position)")
+    files = [data_dir / f"process_{i}-of-{n}.json" for n in counts for i in range(n)]
+    missing = next((p for p in files if not p.is_file()), None)
+    if missing is not None:
+        raise DamagedCheckpointError(f"{missing} is missing")
+    batches = {p.name: json.loads(p.read_text()).get("next_index") for p in files}
+    if len(set(batches.values())) != 1 or not isinstance(batches[files[0].name], int):
+        raise CheckpointMismatchError(f"{data_dir} holds iterator states of no one data position ({batches}).")
+    return batches[files[0].name]
 
 
 # ------------------------------------------------------------------------------------------------ restore errors

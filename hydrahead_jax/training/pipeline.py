@@ -317,7 +317,7 @@ def _run_locked(
         scfg = run.stage(stage)
         # A process reads the rows its devices hold (put_batch assembles the global batch from them).
         rows = shd.process_batch_rows(shd.batch_sharding(mesh, 2), scfg.batch_size)
-        return lambda: make_stage_iterator(
+        return lambda start_batch: make_stage_iterator(
             run.data,
             seq_len=scfg.seq_len,
             batch_size=scfg.batch_size,
@@ -328,6 +328,7 @@ def _run_locked(
             tokenizer=tokenizer,
             store_path=store,
             batch_rows=rows,
+            start_batch=start_batch,
         )
 
     def initial_first_stage():
