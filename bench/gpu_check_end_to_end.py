@@ -300,8 +300,18 @@ def lanes_for(on_gpu: bool) -> dict[str, tuple[int, set[int] | None]]:
 
 def run_jobs(jobs: list[Job], budget: Budget, lanes: dict) -> None:
     """Start each job in order once its lane has room and the budget allows a run as long as the lane's longest
-    so far; wait; stop what is still running at the deadline."""
+    so far; wait; stop what is still running at the deadline, or when this process is stopped (the workers run
+    in sessions of their own: nothing else would end them)."""
     pending, running = list(jobs), []
+    try:
+        _schedule(jobs, pending, running, budget, lanes)
+    finally:
+        for job in running:
+            if job.proc.poll() is None:
+                stop(job, "stopped with the check")
+
+
+def _schedule(jobs: list[Job], pending: list[Job], running: list[Job], budget: Budget, lanes: dict) -> None:
     while pending or running:
         for job in list(pending):
             width, cores = lanes[job.lane]
@@ -592,6 +602,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker(*argv[1:])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # gpu_check.sh's timeout: unwind, stopping the workers
     return run_script("end_to_end", __doc__.splitlines()[0], argv, steps, table="end_to_end")
 
 

@@ -317,8 +317,9 @@ def test_gpu_check_limits_flas_autotuning(monkeypatch):
 
 
 def test_gpu_check_adds_the_kept_fla_wheel_on_an_offline_machine(tmp_path):
-    """A lent GPU box reaches no registry: the fla peer comes from wheels kept by --fetch-wheels (here a stand-in
-    wheel, built on the spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
+    """A lent GPU box reaches no registry: the fla peer (and the pipeline's grain and ml-collections, where the
+    machine's Python lacks them) comes from wheels kept by --fetch-wheels (here a stand-in fla wheel, built on the
+    spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
     import zipfile
 
     wheels = tmp_path / "gpu" / "wheels"
