@@ -27,6 +27,8 @@ CORE = [
     "gcsfs",
 ]
 
+EVAL = ["lm-eval==0.4.13"]
+
 setup(
     name="hydrahead-jax",
     version="0.1.0",
@@ -41,8 +43,12 @@ setup(
     py_modules=[],
     install_requires=CORE,
     extras_require={
-        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0, the CPU wheel).
+        # EleutherAI's lm-evaluation-harness for eval.py --suite lm-eval (hydrahead_jax.evaluation.harness), the
+        # version its backend was checked against (tests/test_lm_eval_harness.py).
+        "eval": EVAL,
+        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0, the CPU wheel), and the eval extra.
         "dev": [
+            *EVAL,
             "pytest",
             "pytest-xdist",
             "hypothesis",
