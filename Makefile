@@ -107,9 +107,11 @@ format: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) bench/run_all.py
 
-# On a GPU machine: installs its own venv (.venv-gpu: JAX with CUDA, torch, fla-core), checks both Pallas kernels and
-# benchmarks them against cuDNN and flash-linear-attention (<= 8 min). GPU_CHECK_ARGS=--quick (<= 3 min),
-# --dry-run (CPU smoke run), --print-install-plan.
+# On a GPU machine: installs its own venv (.venv-gpu: JAX with CUDA, torch, fla-core, the training pipeline's
+# packages), checks both Pallas kernels and benchmarks them against cuDNN and flash-linear-attention, then trains the
+# tiny recipe and the reproduction teacher's conversion with them against the CPU's XLA path (<= 9.5 min).
+# GPU_CHECK_ARGS=--quick (<= 5 min), --dry-run (CPU smoke run), --no-install (a GPU machine's own JAX, with the
+# wheels of --fetch-wheels carried), --print-install-plan.
 GPU_CHECK_ARGS ?=
 gpu-check:
 	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)

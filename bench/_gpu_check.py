@@ -1,12 +1,13 @@
 """Shared parts of the GPU check (bench/gpu_check.sh): run modes, the time budget, error metrics, timing, reports.
 
-Each kernel script (gpu_check_flash_attention.py, gpu_check_gated_delta.py) fills a ``Report`` with correctness
-rows and benchmark rows, rewriting ``<kernel>.json`` and ``<kernel>.md`` in the output folder after every row (a
+Each part (gpu_check_flash_attention.py, gpu_check_gated_delta.py, gpu_check_end_to_end.py) fills a ``Report``
+with correctness rows and benchmark rows, rewriting ``<kernel>.json`` and ``<kernel>.md`` in the output folder after every row (a
 script killed at its deadline keeps what it measured); then
 
-    python bench/_gpu_check.py summarize --out DIR --status flash_attention=0 --status gated_delta=0
+    python bench/_gpu_check.py summarize --out DIR --status flash_attention=0 --status gated_delta=0 \
+        --status end_to_end=0
 
-prints the one-line verdict first, then both reports, writes ``DIR/gpu_check.md`` (ready to paste into
+prints the one-line verdict first, then every report, writes ``DIR/gpu_check.md`` (ready to paste into
 bench/RESULTS.md) and ``DIR/gpu_check.json``, and exits 1 if any check failed or a script crashed, 2 if nothing
 failed but some checks did not run (time budget), 0 otherwise.
 
@@ -45,7 +46,8 @@ from _common import block, machine_line, markdown_table, time_interleaved  # noq
 MODES = ("full", "quick", "dry-run")
 F32_TOLERANCE = 1e-2
 BF16_FACTOR = 2.0
-KERNELS = ("flash_attention", "gated_delta")
+KERNELS = ("flash_attention", "gated_delta", "end_to_end")  # the parts, in the order they run and are reported
+REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------- arguments, budget
@@ -121,11 +123,13 @@ def first_line(err: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------- the report
 @dataclass
 class Report:
-    """Correctness rows, benchmark rows and notes of one kernel's check; ``write`` stores them as JSON + Markdown."""
+    """Correctness rows, benchmark rows and notes of one part's check; ``write`` stores them as JSON + Markdown.
+    ``table``: how its rows are shown (``TABLES``): "kernel" (a kernel against its peers) or "end_to_end"."""
 
     kernel: str
     mode: str
     out: Path
+    table: str = "kernel"
     checks: list[dict] = field(default_factory=list)
     bench: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -145,12 +149,14 @@ class Report:
         got: Sequence,
         oracle: Sequence,
         baseline: Sequence | None = None,
+        f32_limit: float = F32_TOLERANCE,
     ) -> bool:
-        """Record one row: ``got`` vs ``oracle`` per name; bf16 rows are limited by ``baseline``'s own error."""
+        """Record one row: ``got`` vs ``oracle`` per name; bf16 rows are limited by ``baseline``'s own error, the
+        others by ``f32_limit``."""
         errors, limits = {}, {}
         for name, g, o, b in zip(names, got, oracle, baseline or [None] * len(names)):
             errors[name] = rel_err(g, o)
-            limits[name] = F32_TOLERANCE if b is None else BF16_FACTOR * rel_err(b, o)
+            limits[name] = f32_limit if b is None else BF16_FACTOR * rel_err(b, o)
         bad = [n for n in names if not (math.isfinite(errors[n]) and errors[n] <= limits[n])]
         row = dict(case=case, dtype=dtype, status="fail" if bad else "ok", errors=errors, limits=limits, bad=bad)
         self._add_check(row)
@@ -178,9 +184,7 @@ class Report:
     # -- speed
     def bench_row(self, **row) -> None:
         self.bench.append(row)
-        t = row.get("ms")
-        shown = f"{t:.3f} ms, {row['tflops']:.1f} TFLOP/s" if t is not None else row.get("error", "skipped")
-        print(f"[  bench] D={row['D']} T={row['T']} {row['direction']:<7} {row['impl']:<10} {shown}", flush=True)
+        print(f"[  bench] {TABLES[self.table].line(row)}", flush=True)
         self.write()
 
     def failures(self) -> list[str]:
@@ -196,7 +200,9 @@ class Report:
     def write(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
         ignore = self.out / ".gitignore"  # results are pasted into bench/RESULTS.md by hand, never committed here
-        if not ignore.exists():
+        # Only inside this checkout: a folder elsewhere (a device machine's $OUT, which sends back a few files)
+        # gets the reports alone.
+        if self.out.resolve().is_relative_to(REPO) and not ignore.exists():
             ignore.write_text("*\n")
         path = self.out / f"{self.kernel}.json"
         path.write_text(json.dumps(asdict(self), indent=1, default=str))
@@ -205,15 +211,12 @@ class Report:
 
 
 def _report_markdown(rep: dict) -> str:
+    table = TABLES[rep.get("table", "kernel")]
     lines = [f"### {rep['kernel']} ({rep['mode']})", ""]
     if rep["info"]:
         lines += ["- " + ", ".join(f"{k}: {v}" for k, v in rep["info"].items()), ""]
     if rep["checks"]:
-        lines += [
-            "Correctness: Frobenius-relative error vs the fp32 reference (error / limit; fp32 limit "
-            f"{F32_TOLERANCE:g}, bf16 limit {BF16_FACTOR:g}x the reference's own bf16 error).",
-            "",
-        ]
+        lines += [table.correctness, ""]
         rows = []
         for c in rep["checks"]:
             if "errors" in c:
@@ -226,16 +229,17 @@ def _report_markdown(rep: dict) -> str:
             rows.append([c["case"], c["dtype"], c["status"], detail])
         lines += [markdown_table(["case", "dtype", "status", "error / limit"], rows), ""]
     if rep["bench"]:
-        lines += [
-            "Speed: median ms per call (TFLOP/s, FLOPs as stated in the script's docstring); "
-            "pallas vs X = X's time / Pallas's time, measured interleaved in this run (> 1: Pallas is faster).",
-            "",
-            bench_markdown(rep["bench"]),
-            "",
-        ]
+        lines += [table.speed, "", table.markdown(rep["bench"]), ""]
     if rep["notes"]:
         lines += ["Notes:", ""] + [f"- {n}" for n in rep["notes"]] + [""]
     return "\n".join(lines)
+
+
+def bench_line(row: dict) -> str:
+    """One kernel benchmark row as printed while the check runs."""
+    t = row.get("ms")
+    shown = f"{t:.3f} ms, {row['tflops']:.1f} TFLOP/s" if t is not None else row.get("error", "skipped")
+    return f"D={row['D']} T={row['T']} {row['direction']:<7} {row['impl']:<10} {shown}"
 
 
 def bench_markdown(rows: list[dict]) -> str:
@@ -261,6 +265,68 @@ def bench_markdown(rows: list[dict]) -> str:
             cells.append(f"{r['ms'] / mine['ms']:.2f}x" if ok else "—")
         table.append(cells)
     return markdown_table(header, table)
+
+
+def stage_line(row: dict) -> str:
+    """One end-to-end stage row (bench/gpu_check_end_to_end.py) as printed while the check runs."""
+    mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.2f} %"
+    return (
+        f"{row['model']} {row['stage']}: {row['ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
+        f"{row['tflops']:.3f} TFLOP/s, MFU {mfu} (first step {row['first_step_s']:.1f} s)"
+    )
+
+
+def stage_markdown(rows: list[dict]) -> str:
+    """One line per (model, stage) of the end-to-end device run."""
+    table = []
+    for r in rows:
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f} %"
+        table.append(
+            [r["model"], r["stage"], f"{r['B']}x{r['T']}", r["dtype"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}"]
+            + [f"{r['flops_per_token'] / 1e6:.2f}", f"{r['tflops']:.3f}", mfu, f"{r['first_step_s']:.1f}"]
+        )
+    header = ["model", "stage", "BxT", "dtype", "ms/step", "tokens/s", "MFLOP/token", "TFLOP/s", "MFU", "first step s"]
+    return markdown_table(header, table)
+
+
+@dataclass(frozen=True)
+class Table:
+    """How a part's report is shown: the sentences above its two tables, a printed line and the speed table."""
+
+    correctness: str
+    speed: str
+    line: Callable[[dict], str]
+    markdown: Callable[[list[dict]], str]
+
+
+TABLES = {
+    "kernel": Table(
+        correctness=(
+            "Correctness: Frobenius-relative error vs the fp32 reference (error / limit; fp32 limit "
+            f"{F32_TOLERANCE:g}, bf16 limit {BF16_FACTOR:g}x the reference's own bf16 error)."
+        ),
+        speed=(
+            "Speed: median ms per call (TFLOP/s, FLOPs as stated in the script's docstring); "
+            "pallas vs X = X's time / Pallas's time, measured interleaved in this run (> 1: Pallas is faster)."
+        ),
+        line=bench_line,
+        markdown=bench_markdown,
+    ),
+    "end_to_end": Table(
+        correctness=(
+            "Correctness: per stage, Frobenius-relative error of the per-step loss and gradient-norm curves vs the "
+            f"CPU float32 XLA run of the same recipe (error / limit; bf16 limit {BF16_FACTOR:g}x the CPU bfloat16 XLA "
+            "run's own error, fp32 limit as stated in bench/gpu_check_end_to_end.py)."
+        ),
+        speed=(
+            "Speed of the device run: median ms per step from step 3 on, tokens/s, model FLOPs per token and MFU "
+            "against the device's dense bf16 peak (formulas in bench/gpu_check_end_to_end.py); first step = "
+            "compile + one step."
+        ),
+        line=stage_line,
+        markdown=stage_markdown,
+    ),
+}
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -297,7 +363,9 @@ def time_variants(
 
 
 # ---------------------------------------------------------------------------------------------- a kernel script
-def run_script(kernel: str, description: str, argv, steps: Callable[[Report, Budget, str, bool], None]) -> int:
+def run_script(
+    kernel: str, description: str, argv, steps: Callable[[Report, Budget, str, bool], None], table: str = "kernel"
+) -> int:
     """Parse the common arguments, run ``steps(report, budget, mode, on_gpu)``, write the report whatever happens.
 
     Returns 0 when every check passed, 1 when one failed, 3 when the steps raised (what was measured is kept).
@@ -308,9 +376,8 @@ def run_script(kernel: str, description: str, argv, steps: Callable[[Report, Bud
     budget = Budget(args.deadline)
     on_gpu = check_platform(args.mode) == "gpu"
     dev = jax.devices()[0]
-    report = Report(
-        kernel, args.mode, args.out, info=dict(jax=jax.__version__, device=f"{dev.platform} ({dev.device_kind})")
-    )
+    info = dict(jax=jax.__version__, device=f"{dev.platform} ({dev.device_kind})")
+    report = Report(kernel, args.mode, args.out, table=table, info=info)
     print(f"{kernel} GPU check, mode {args.mode}, {budget.left():.0f} s budget", flush=True)
     try:
         steps(report, budget, args.mode, on_gpu)
@@ -350,7 +417,7 @@ def summarize(out: Path, status: dict[str, int]) -> int:
         code = 2
     else:
         n = sum(len(r["checks"]) for r in reports.values())
-        verdict = f"GPU CHECK PASSED: {n} value+gradient checks of {', '.join(reports)}"
+        verdict = f"GPU CHECK PASSED: {n} checks of {', '.join(reports)}"
         code = 0
     body = "\n".join(_report_markdown(r) for r in reports.values())
     text = f"## GPU check\n\n{verdict}\n\n- machine: {machine_line()}\n\n{body}"

@@ -2,11 +2,14 @@
 # GPU check of the Pallas kernels on a fresh NVIDIA machine (made for one H200): installs what it needs, checks the
 # values and gradients of flash_attention and chunk_gated_delta_rule (implementation="pallas") against the pure-JAX
 # references, then prints TFLOP/s and ratios against cuDNN attention, XLA and flash-linear-attention (fla-core)
-# measured in the same run. Needs only this checkout and the package registry (PyPI): uv builds the venv with its own
-# Python 3.12 when the machine has none. A machine without the registry runs it with --no-install on its own JAX.
+# measured in the same run; then end to end: the tiny recipe's three stages (and, in the full run, the reproduction
+# teacher's conversion) trained on the GPU with the Pallas kernels and cuDNN attention, each stage's per-step losses
+# checked against the same steps on the CPU's XLA path, with tokens/s and MFU per stage. Needs only this checkout and
+# the package registry (PyPI): uv builds the venv with its own Python 3.12 when the machine has none. A machine
+# without the registry runs it with --no-install on its own JAX (with the wheels of --fetch-wheels carried along).
 #
-#   bash bench/gpu_check.sh                       # full run, at most 8 minutes including the install
-#   bash bench/gpu_check.sh --quick               # fewer cases and rows, at most 3 minutes
+#   bash bench/gpu_check.sh                       # full run, at most 9.5 minutes (4 of them end to end)
+#   bash bench/gpu_check.sh --quick               # fewer cases, rows and models, at most 5 minutes
 #   bash bench/gpu_check.sh --dry-run             # on a CPU: interpret mode, tiny shapes, no install, peers skipped
 #   bash bench/gpu_check.sh --print-install-plan  # what would be installed and how; changes nothing
 #   make gpu-check                                # the full run
@@ -17,15 +20,19 @@
 #                       13: jax[cuda13] + torch 2.13, which share one CUDA 13 stack; 12: jax[cuda12] + torch 2.10,
 #                       the newest torch on PyPI built for CUDA 12)
 #   --no-install        use $PYTHON (default python3) as it is; peers that are not importable are skipped, except
-#                       fla, which is added from .venv-gpu/wheels (--fetch-wheels) when the wheels are there
-#   --budget SECONDS    wall-clock budget of the whole run including the install (default 480, --quick 180;
-#                       --dry-run 600, a limit for a loaded CI box: it takes under a minute on an idle 2-core CPU);
-#                       what is left when it is spent is skipped with a printed note
+#                       what the wheels in .venv-gpu/wheels (--fetch-wheels) give: fla, and the training pipeline's
+#                       grain and ml-collections, which a GPU machine's own Python may lack
+#   --fetch-wheels      keep those wheels in .venv-gpu/wheels (for Python 3.12) for a machine without the registry
+#   --budget SECONDS    wall-clock budget of the whole run including the install (default 570, --quick 300;
+#                       --dry-run 600, a limit for a loaded CI box: it takes about 2 minutes on an idle 2-core CPU);
+#                       the end-to-end part is given the last 240 s (--quick 120, --dry-run 300) and the kernels
+#                       share the rest; what is left when it is spent is skipped with a printed note
 #   --out DIR           results folder (default $OUT if set, else bench/results/gpu)
 # Environment: PYTHON (the interpreter, or a version such as 3.12, uv builds the venv from; default 3.12, found or
 #   downloaded by uv), GPU_CHECK_DIR (default .venv-gpu: the venv env/, reused while the pinned requirements are
 #   unchanged, uv itself when it is not on PATH, uv's download cache and JAX's compilation cache).
-# Output: DIR/gpu_check.md (paste into bench/RESULTS.md), DIR/gpu_check.json, and per kernel <kernel>.md/.json.
+# Output: DIR/gpu_check.md (paste into bench/RESULTS.md), DIR/gpu_check.json, and per part <part>.md/.json
+#   (flash_attention, gated_delta, end_to_end): 8 files.
 # Exit status: 0 all checks passed; 1 a check failed or a script crashed (the first line of the summary says
 #   which); 2 nothing failed but checks were skipped for time; 64 bad usage; 69 the environment cannot be set up.
 set -euo pipefail
@@ -64,14 +71,14 @@ while [ $# -gt 0 ]; do
 done
 [ "$dry" = 1 ] && mode=dry-run install=0  # whatever else was asked: --dry-run never installs or needs a GPU
 case "$cuda" in ""|12|13) ;; *) die "--cuda takes 12 or 13, got '$cuda'" 64 ;; esac
-: "${budget:=$(case $mode in full) echo 480 ;; quick) echo 180 ;; dry-run) echo 600 ;; esac)}"
+: "${budget:=$(case $mode in full) echo 570 ;; quick) echo 300 ;; dry-run) echo 600 ;; esac)}"
 case "$budget" in ''|*[!0-9]*) die "--budget takes whole seconds, got '$budget'" 64 ;; esac
 DEADLINE=$((START + budget))
 
 # ------------------------------------------------------------------------------------------ which wheels
 # The driver's CUDA version (nvidia-smi's header) decides: CUDA 13 wheels need a driver that supports CUDA 13.
 driver_cuda() { nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -n 1; }
-if [ -z "$cuda" ] && [ "$mode" != dry-run ]; then
+if [ -z "$cuda" ] && [ "$mode" != dry-run ] && [ "$fetch_wheels" = 0 ]; then  # fetching wheels needs no GPU
   detected=$(driver_cuda || true)
   if [ -n "$detected" ] && [ "$detected" -ge 13 ]; then cuda=13
   elif [ -n "$detected" ] && [ "$detected" -eq 12 ]; then cuda=12
@@ -82,7 +89,10 @@ that supports CUDA 13 (R580 or newer), else --cuda 12; or --no-install to use a 
   fi
 fi
 if [ "$cuda" = 12 ]; then TORCH_VERSION=$TORCH_FOR_CUDA12; else TORCH_VERSION=$TORCH_FOR_CUDA13; fi
-REQUIREMENTS=("jax[cuda${cuda:-13}]==$JAX_VERSION" "torch==$TORCH_VERSION" "fla-core==$FLA_VERSION" "numpy")
+# The end-to-end part imports the training pipeline: these are setup.py's CORE requirements that it needs.
+PIPELINE=("flax>=0.12" "optax>=0.2.5" "orbax-checkpoint>=0.11" "grain>=0.2.12" "tensorstore>=0.1.70" "ml-collections>=1.0"
+  "absl-py" "etils[epath]" "tqdm" "tokenizers>=0.21" "safetensors>=0.5" "filelock")
+REQUIREMENTS=("jax[cuda${cuda:-13}]==$JAX_VERSION" "torch==$TORCH_VERSION" "fla-core==$FLA_VERSION" "numpy" "${PIPELINE[@]}")
 # Installed afterwards with --no-deps, over an exact pin of torch's: JAX's CUDA plugin refuses to start when a CUDA
 # library is older (major.minor) than the one it was built with, and torch 2.10 pins cuFFT 11.3 while jax-cuda12
 # 0.12.0.1 was built with cuFFT 11.4 (cuFFT keeps its ABI within a major version; fla does not use it anyway).
@@ -119,9 +129,9 @@ if [ "$plan_only" = 1 ]; then
   echo "  installer:     $(command -v uv || echo "uv==$UV_VERSION, fetched by pip into $UV_HOME"); the venv's pip if uv's install fails"
   echo "  requirements:  ${REQUIREMENTS[*]}"
   [ ${#AFTER[@]} -gt 0 ] && echo "  then, --no-deps: ${AFTER[*]}"
-  echo "  not installed: the repository's own dependencies and test extras (the checks import only jax, numpy,"
-  echo "                 pallas_kernels from this checkout, and torch + fla for the peer)"
-  echo "  offline peer:  $(compgen -G "$WHEELS/fla_core-*.whl" >/dev/null && echo "wheels in $WHEELS" || echo "none kept (bash bench/gpu_check.sh --fetch-wheels)")"
+  echo "  not installed: the rest of the repository's dependencies and its test extras (the kernel checks import"
+  echo "                 only jax, numpy, pallas_kernels and torch + fla; the end-to-end part the training pipeline)"
+  echo "  offline:       $(compgen -G "$WHEELS/*.whl" >/dev/null && echo "wheels in $WHEELS" || echo "none kept (bash bench/gpu_check.sh --fetch-wheels)") (fla, and grain and ml-collections for the pipeline)"
   [ "$mode" = dry-run ] && echo "  (--dry-run installs nothing: it runs on the current Python in interpret mode)"
   exit 0
 fi
@@ -159,28 +169,34 @@ install_venv() {
   echo "== installed in $(( $(date +%s) - t0 )) s: $(du -sh "$VENV" 2>/dev/null | cut -f1) in $VENV"
 }
 
-# A GPU machine without the registry (a lent device box reaches nothing outside) still gets the fla peer: its wheel
-# and einops' are pure Python, kept in $WHEELS by --fetch-wheels on a machine that has the registry, and installed
-# with --no-index into a folder on PYTHONPATH (torch and triton come from the machine's own Python).
-WHEELS_PINNED=("fla-core==$FLA_VERSION" "einops")
+# A GPU machine without the registry (a lent device box reaches nothing outside) still gets the fla peer and the
+# training pipeline's imports its Python lacks (the lent machines' image has jax, flax, optax, orbax, tensorstore,
+# torch and triton, not grain or ml-collections): the wheels are kept in $WHEELS by --fetch-wheels on a machine that
+# has the registry (built for Python 3.12, the image's), carried with the checkout (5 MB), and installed with
+# --no-index into a folder on PYTHONPATH. Pinned to the versions the tests ran with.
+WHEELS_PINNED=("fla-core==$FLA_VERSION" "einops" "grain==0.2.18" "array-record==0.8.6" "portpicker==1.6.0"
+  "ml-collections==1.1.0")
+OFFLINE_MODULES=(fla grain array_record portpicker ml_collections)  # what those wheels give, by import name
 fetch_wheels() {
   local base; base=$(command -v "${PYTHON:-python3}") || die "no ${PYTHON:-python3} to run pip with (or set PYTHON)"
   mkdir -p "$WHEELS" && echo '*' > "$GPU_DIR/.gitignore"
-  "$base" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${WHEELS_PINNED[@]}" \
+  "$base" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$WHEELS" "${WHEELS_PINNED[@]}" \
     || die "could not download ${WHEELS_PINNED[*]} (is the package registry reachable?)"
   echo "== kept in $WHEELS: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
 }
-add_offline_fla() {  # python: when it cannot import fla, unpack the kept wheels into a folder put on PYTHONPATH
-  local py=$1 site="$GPU_DIR/peer-site"
-  "$py" -c 'import fla' 2>/dev/null && return 0
-  compgen -G "$WHEELS/fla_core-*.whl" >/dev/null || return 0
-  if [ ! -d "$site/fla" ]; then
+add_offline_wheels() {  # python: when it cannot import one of OFFLINE_MODULES, unpack the kept wheels onto PYTHONPATH
+  local py=$1 site="$GPU_DIR/peer-site" missing=() m
+  for m in "${OFFLINE_MODULES[@]}"; do "$py" -c "import $m" 2>/dev/null || missing+=("$m"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  compgen -G "$WHEELS/*.whl" >/dev/null || { echo "== not importable, and no wheels kept in $WHEELS: ${missing[*]}"; return 0; }
+  if [ ! -f "$site/.unpacked" ] || [ -n "$(find "$WHEELS" -name '*.whl' -newer "$site/.unpacked")" ]; then
     rm -rf "$site"
     "$py" -m pip install -q --no-index --no-deps --target "$site" "$WHEELS"/*.whl \
-      || { echo "== could not unpack the wheels in $WHEELS; the fla peer is skipped"; return 0; }
+      || { echo "== could not unpack the wheels in $WHEELS; what needs ${missing[*]} is skipped"; return 0; }
+    touch "$site/.unpacked"
   fi
   export PYTHONPATH="$PYTHONPATH:$site"
-  echo "== fla added from $WHEELS ($site on PYTHONPATH)"
+  echo "== ${missing[*]} added from $WHEELS ($site on PYTHONPATH)"
 }
 
 has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; }
@@ -193,7 +209,7 @@ if [ "$mode" = dry-run ]; then
 elif [ "$install" = 0 ]; then
   PY=${PYTHON:-python3}
   echo "== --no-install: using $PY as it is"
-  add_offline_fla "$PY"
+  add_offline_wheels "$PY"
 else
   PY="$VENV/bin/python"
   if [ -x "$PY" ] && stamp_matches && "$PY" -c 'import jax, torch, fla' 2>/dev/null; then
@@ -204,7 +220,7 @@ else
   elif has_gpu_jax "${PYTHON:-python3}"; then
     PY=${PYTHON:-python3}
     echo "== the install failed; $PY already has JAX with a GPU: using it as it is (a peer it lacks is skipped)"
-    add_offline_fla "$PY"
+    add_offline_wheels "$PY"
   else
     die "installing ${REQUIREMENTS[*]} into $VENV failed (see above: is the package registry reachable?); on a machine
 without it, install JAX with CUDA yourself and run with --no-install"
@@ -219,10 +235,11 @@ jax[cuda12] or jax[cuda13]). Without a GPU: --dry-run"
 fi
 
 # ------------------------------------------------------------------------------------------ the checks
-# Each kernel script runs in its own process (a crash or a hung compile in one cannot take the other with it) under
-# a hard timeout a little past its deadline; flash attention gets half of what is left, gated delta the rest.
-# The correctness checks come first in each script; a kernel is given at least MIN_KERNEL_S even when the install
-# used up the budget, since a run that checks nothing is worth nothing.
+# Each part runs in its own process (a crash or a hung compile in one cannot take the others with it) under a hard
+# timeout a little past its deadline: the end-to-end part is kept the last E2E_S seconds, flash attention gets half
+# of what is left before them, gated delta the rest. The correctness checks come first in each script; a part is
+# given at least MIN_KERNEL_S even when the install used up the budget, since a run that checks nothing is worth
+# nothing.
 run_kernel() {  # name script deadline
   local rc=0 deadline=$3 now; now=$(date +%s)
   if [ "$deadline" -lt $((now + MIN_KERNEL_S)) ]; then
@@ -237,7 +254,10 @@ status=()
 now=$(date +%s)
 SUMMARY_RESERVE=10
 MIN_KERNEL_S=$([ "$mode" = full ] && echo 60 || echo 30)
-run_kernel flash_attention gpu_check_flash_attention.py $(( now + (DEADLINE - SUMMARY_RESERVE - now) / 2 ))
-run_kernel gated_delta gpu_check_gated_delta.py $(( DEADLINE - SUMMARY_RESERVE ))
+E2E_S=$(case $mode in full) echo 240 ;; quick) echo 120 ;; dry-run) echo 300 ;; esac)
+KERNELS_END=$(( DEADLINE - SUMMARY_RESERVE - E2E_S ))
+run_kernel flash_attention gpu_check_flash_attention.py $(( now + (KERNELS_END - now) / 2 ))
+run_kernel gated_delta gpu_check_gated_delta.py $KERNELS_END
+run_kernel end_to_end gpu_check_end_to_end.py $(( DEADLINE - SUMMARY_RESERVE ))
 echo "== finished in $(( $(date +%s) - START )) s (budget $budget s)"
 exec "$PY" bench/_gpu_check.py summarize --out "$out" "${status[@]}"

@@ -9,7 +9,7 @@ with 25 % synthetic retrieval rows. Measured on the idle 2-core AMD EPYC box (20
 (stages 9.4 / 12.4 / 4.3 min; peak RSS 9.0 GB), ending at KL(teacher ‖ student) 0.87 nats/token and top-1 51 % on
 held-out news (8 windows) and no NIAH prompt answered of 100 per length: a Gated DeltaNet student needs far more
 training than a CPU gives (the paper-scale recipe is configs/qwen3_1p7b_hydrahead.py). "streaming64" runs 25 / 20
-/ 5 steps at its own rates (below); README.md has the figures of both.
+/ 5 steps at its own rates (below); docs/results.md has the figures of both.
 
 Variants (``--config configs/smollm2_hydrahead.py:<arg>``): "" (7:1 probe-selected), "25pct", "layerwise_7to1",
 "layerwise_3to1", "random_7to1", "yarn4" (the 7:1 student whose FA heads take YaRN x4 from stage 3 on: the

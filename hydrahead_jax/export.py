@@ -19,9 +19,8 @@ needs no training code.
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import uuid
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from flax import nnx
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.hybrid import HeadMap, HybridConfig, build_model
+from hydrahead_jax.storage import RunPath, file_size, files_under, move, remove_tree, run_path
 
 MANIFEST = "MANIFEST.json"
 TOKENIZER_DIR = "tokenizer"
@@ -40,12 +40,12 @@ NEEDED = ("params", "head_map.json", "model_config.json", "hybrid_config.json")
 class DamagedExportError(RuntimeError):
     """An export folder with a missing, truncated or unreadable part."""
 
-    def __init__(self, path: Path, what: str):
+    def __init__(self, path: RunPath, what: str):
         super().__init__(f"this export is damaged: {what} (in {path}); rerun train.py on its workdir to export again.")
 
 
 def export_final(
-    out: str | Path,
+    out: str | RunPath,
     graphdef,
     full_state,
     cfg: ModelConfig,
@@ -55,10 +55,10 @@ def export_final(
     tokenizer=None,
     teacher_source: str | None = None,
     resolved_config: dict | None = None,
-) -> Path:
+) -> RunPath:
     """Write the folder (see the module doc). ``tokenizer``: the teacher's (models.tokenizer.Tokenizer); without
     it, the one of ``teacher_source`` when that names a checkpoint."""
-    out = Path(out).absolute()
+    out = run_path(out)
     if tokenizer is None and teacher_source not in (None, "random"):
         from hydrahead_jax.models.tokenizer import load_tokenizer
 
@@ -69,7 +69,7 @@ def export_final(
     # process 0 alone writes the other files and renames the folder into place.
     if is_primary():
         for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by an export that was killed (the caller owns out)
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_tree(stale)
     tag = uuid.uuid4().hex[:8]
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -85,18 +85,17 @@ def export_final(
             ckptr.wait_until_finished()
         if is_primary():
             _write_metadata(tmp, cfg, head_map, hybrid_cfg, tokenizer, resolved_config)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
+            remove_tree(out)
+            move(tmp, out)
     except BaseException:
         if is_primary():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
         raise
     sync_processes("export done")
     return out
 
 
-def _write_metadata(tmp: Path, cfg, head_map, hybrid_cfg, tokenizer, resolved_config) -> None:
+def _write_metadata(tmp: RunPath, cfg, head_map, hybrid_cfg, tokenizer, resolved_config) -> None:
     """Everything of the export besides the parameters, and the manifest of all its files."""
     head_map.save(tmp / "head_map.json")
     (tmp / "model_config.json").write_text(cfg.to_json())
@@ -105,15 +104,14 @@ def _write_metadata(tmp: Path, cfg, head_map, hybrid_cfg, tokenizer, resolved_co
         _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
     if resolved_config is not None:
         (tmp / "train_config.json").write_text(json.dumps(resolved_config, indent=2, sort_keys=True, default=str))
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+    manifest = {os.fspath(p)[len(os.fspath(tmp)) + 1 :]: file_size(p) for p in files_under(tmp)}
     (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True))
 
 
-def _save_tokenizer(tokenizer, folder: Path) -> None:
+def _save_tokenizer(tokenizer, folder: RunPath) -> None:
     """A Hugging Face tokenizer folder that models.tokenizer.tokenizer_from_folder reads back identically."""
     folder.mkdir()
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(tokenizer.backend.to_str(pretty=True))
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "_name_or_path": tokenizer.name}
     (folder / "config.json").write_text(json.dumps(ids, indent=2))
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
@@ -126,7 +124,7 @@ def _save_tokenizer(tokenizer, folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
 
-def check_export(path: Path) -> None:
+def check_export(path: RunPath) -> None:
     """Raise DamagedExportError naming the first missing or truncated file (from MANIFEST.json), before any read."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -139,8 +137,8 @@ def check_export(path: Path) -> None:
         file = path / name
         if not file.is_file():
             raise DamagedExportError(path, f"{name} is missing")
-        if file.stat().st_size != size:
-            raise DamagedExportError(path, f"{name} has {file.stat().st_size} bytes, {size} were written")
+        if file_size(file) != size:
+            raise DamagedExportError(path, f"{name} has {file_size(file)} bytes, {size} were written")
 
 
 def _short(err: BaseException) -> str:
@@ -151,11 +149,11 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {line[:240]}"
 
 
-def load_hydrahead(path: str | Path, *, device=None):
+def load_hydrahead(path: str | RunPath, *, device=None):
     """(HydraHead Transformer, tokenizer or None) from an exported folder (``workdir/final``).
 
     A missing, truncated or unreadable part raises DamagedExportError (one line naming it)."""
-    path = Path(path).absolute()
+    path = run_path(path)
     missing = [n for n in NEEDED if not (path / n).exists()]
     if missing and not any((path / n).exists() for n in NEEDED):
         raise FileNotFoundError(
@@ -278,7 +276,7 @@ def stack_per_layer_export(raw: dict, abs_state, cfg: ModelConfig, head_map: Hea
     return nnx.from_flat_state(flat)
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: RunPath):
     """The export's own tokenizer folder; an older export's tokenizer.json that names the teacher's source."""
     from hydrahead_jax.models.tokenizer import load_tokenizer, tokenizer_from_folder
 

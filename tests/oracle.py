@@ -122,6 +122,102 @@ def save_tiny_hf_model(
     return folder
 
 
+# Llama 3's RoPE scaling at the tiny models' scale (original context 64 of their 256 positions).
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
+# Llama 3's tokenizer.json, in miniature: its pre-tokenizer split, its specials after the BPE vocabulary (128000 and up
+# in the real one) and its post-processor, which puts <|begin_of_text|> before every sequence (add_special_tokens=True).
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama-3.1's tokenizer_config.json sets no add_bos_token: transformers keeps tokenizer.json's post-processor.
+LLAMA3_TOKENIZER_CONFIG = {
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+    "clean_up_tokenization_spaces": True,
+    "model_max_length": 131072,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+
+
+def llama3_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE `tokenizers.Tokenizer` laid out as Llama 3's: Split(its regex) + ByteLevel, the two
+    specials last, and the post-processor Sequence[ByteLevel, TemplateProcessing('<|begin_of_text|> $A')]."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(LLAMA3_SPECIALS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_TOKENIZER_TEXT] * 20, trainer=trainer)
+    tok.add_special_tokens(list(LLAMA3_SPECIALS))
+    bos = LLAMA3_SPECIALS[0]
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, tok.token_to_id(bos))],
+            ),
+        ]
+    )
+    return tok
+
+
+def save_tiny_llama3_model(
+    folder: str | os.PathLike, *, seed: int = 0, tokenizer_config: dict | None = None, **overrides
+) -> Path:
+    """A tiny Llama-3.x-style folder: LlamaForCausalLM with llama3 RoPE scaling, ``llama3_tokenizer``, and
+    ``LLAMA3_TOKENIZER_CONFIG`` updated with ``tokenizer_config``; ``overrides`` go to the model config."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = llama3_tokenizer()
+    bos, eos = (tok.token_to_id(t) for t in LLAMA3_SPECIALS)
+    rope = dict(LLAMA3_ROPE, rope_theta=5e5)
+    kwargs = dict(rope_parameters=rope, bos_token_id=bos, eos_token_id=eos, pad_token_id=None, **overrides)
+    model = build_tiny_hf_model("llama", seed=seed, vocab_size=tok.get_vocab_size(), **kwargs)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**LLAMA3_TOKENIZER_CONFIG, **(tokenizer_config or {})}))
+    return folder
+
+
+def write_llama3_gguf(path: str | os.PathLike, folder: str | os.PathLike, *, add_bos_token: bool | None) -> Path:
+    """The folder of ``save_tiny_llama3_model`` as a GGUF, with the tokenizer metadata llama.cpp's converter writes
+    for Llama 3 (``tokenizer.ggml.pre`` "llama-bpe", control-typed specials, ``add_bos_token``; None: the key
+    left out)."""
+    import gguf
+
+    vocab = json.loads((Path(folder) / "tokenizer.json").read_text())["model"]
+    tokens = [t for t, _ in sorted(vocab["vocab"].items(), key=lambda kv: kv[1])] + list(LLAMA3_SPECIALS)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - len(LLAMA3_SPECIALS)) + [gguf.TokenType.CONTROL] * 2
+
+    def metadata(w):
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(tokens.index(LLAMA3_SPECIALS[0]))
+        w.add_eos_token_id(tokens.index(LLAMA3_SPECIALS[1]))
+        if add_bos_token is not None:
+            w.add_add_bos_token(add_bos_token)
+
+    return write_tiny_gguf(path, load_torch_model(folder), "llama", tokens=tokens, extra_metadata=metadata)
+
+
 def torch_logits(folder_or_model, input_ids, *, gguf_file: str | None = None) -> np.ndarray:
     """Logits [B, T, V] (float32 numpy) of transformers' own implementation for ``input_ids`` [B, T].
 

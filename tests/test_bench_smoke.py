@@ -230,25 +230,29 @@ def _printed_row(row: dict) -> str:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
-    """The whole GPU check on the CPU: every check row of the dry run present and within its limit against the
-    reference, every benchmark row present and timed, GPU peers skipped with a reason, each row printed as it was
-    recorded (the reports hold exactly the printed rows, in order), the summary verdict first, and the Markdown +
-    JSON written where asked."""
+    """The whole GPU check on the CPU: every check row of both kernels' dry run present and within its limit against
+    the reference, every benchmark row present and timed, GPU peers skipped with a reason, each row printed as it was
+    recorded (the reports hold exactly the printed rows, in order), the tiny recipe's three stages run with the Pallas
+    kernels (interpret mode) and checked step by step against the XLA run, the summary verdict first, and the
+    Markdown + JSON written where asked."""
+    import gpu_check_end_to_end as e2e
+
     out = tmp_path / "results"
     proc = _gpu_check("--dry-run", "--out", str(out))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     summary = proc.stdout.split("== finished in", 1)[1].splitlines()[1:]
-    assert summary[0] == "GPU CHECK PASSED: 6 value+gradient checks of flash_attention, gated_delta", summary[:3]
+    assert summary[0] == "GPU CHECK PASSED: 9 checks of flash_attention, gated_delta, end_to_end", summary[:3]
     assert "cudnn skipped: cuDNN attention needs a CUDA GPU" in log
     assert "fla skipped: flash-linear-attention runs on a CUDA GPU only" in log
 
     data = json.loads((out / "gpu_check.json").read_text())
-    assert data["status"] == {"flash_attention": 0, "gated_delta": 0}
+    assert data["status"] == {"flash_attention": 0, "gated_delta": 0, "end_to_end": 0}
     reports = data["reports"]
-    assert list(reports) == ["flash_attention", "gated_delta"]
-    sections = re.split(r"^== (?:flash_attention|gated_delta|finished) ", proc.stdout, flags=re.M)[1:3]
-    for (kernel, rep), section in zip(reports.items(), sections, strict=True):
+    assert list(reports) == ["flash_attention", "gated_delta", "end_to_end"]
+    sections = re.split(r"^== (?:flash_attention|gated_delta|end_to_end|finished) ", proc.stdout, flags=re.M)[1:3]
+    kernels = {k: reports[k] for k in ("flash_attention", "gated_delta")}
+    for (kernel, rep), section in zip(kernels.items(), sections, strict=True):
         expected = [(case, dtype) for case in DRY_RUN_CHECKS[kernel] for dtype in ("float32", "bfloat16")]
         assert [(c["case"], c["dtype"]) for c in rep["checks"]] == expected
         # Every output and gradient compared with the fp32 reference and within its limit: fp32 at the fixed
@@ -276,6 +280,27 @@ def test_gpu_check_dry_run(tmp_path):
     fwd_line = next(line for line in md.splitlines() if line.startswith("| 16 | 64 |") and "| fwd |" in line)
     assert fwd_line.rstrip(" |").endswith(f"{ratio:.2f}x"), fwd_line
     assert (out / "flash_attention.md").exists() and (out / "gated_delta.md").exists()
+    # End to end: one row per stage of the tiny recipe, each comparing the per-step loss and gradient-norm curves of
+    # the Pallas (interpret-mode) run with the XLA run's, in float32, within the stated limit.
+    e2e_rep = reports["end_to_end"]
+    assert [c["case"] for c in e2e_rep["checks"]] == [f"tiny {s}" for s in e2e.STAGE_DIRS]
+    for c in e2e_rep["checks"]:
+        assert c["status"] == "ok" and c["dtype"] == "float32" and set(c["errors"]) == {"loss", "grad_norm"}, c
+        assert all(
+            c["limits"][n] == e2e.F32_STEP_LIMIT and 0 <= c["errors"][n] <= e2e.F32_STEP_LIMIT for n in c["errors"]
+        )
+    # The switches reached the kernels: the device run ran both in interpret mode (the part checks its log too).
+    assert "flash_attention: implementation='pallas_gpu' on cpu runs the Pallas kernel in interpret mode" in log
+    # Speed rows of every stage: tokens/s is B·T over the median step; no MFU without a known peak (a CPU).
+    rows = {r["stage"]: r for r in e2e_rep["bench"]}
+    assert list(rows) == list(e2e.STAGE_DIRS)
+    for r in rows.values():
+        assert r["mfu"] is None and r["steps_timed"] == e2e.STEPS["dry-run"] - e2e.TIMED_FROM_STEP + 1, r
+        assert r["tokens_per_s"] == pytest.approx(r["B"] * r["T"] / (r["ms"] / 1e3)), r
+        assert r["tflops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e12), r
+    assert (rows["stage1_align"]["T"], rows["stage3_long"]["T"]) == (32, 64)  # configs/tiny.py's rows
+    assert "MFU n/a: no bf16 peak is known for 'cpu'" in log
+    assert "| tiny | stage2_distil | 4x32 | float32 |" in md
 
 
 def test_gpu_check_report_is_rewritten_after_every_row(tmp_path):
@@ -360,8 +385,9 @@ def test_gpu_check_limits_flas_autotuning(monkeypatch):
 
 
 def test_gpu_check_adds_the_kept_fla_wheel_on_an_offline_machine(tmp_path):
-    """A lent GPU box reaches no registry: the fla peer comes from wheels kept by --fetch-wheels (here a stand-in
-    wheel, built on the spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
+    """A lent GPU box reaches no registry: the fla peer (and the pipeline's grain and ml-collections, where the
+    machine's Python lacks them) comes from wheels kept by --fetch-wheels (here a stand-in fla wheel, built on the
+    spot), unpacked into a folder on PYTHONPATH for the machine's own Python."""
     import zipfile
 
     wheels = tmp_path / "gpu" / "wheels"
@@ -375,7 +401,7 @@ def test_gpu_check_adds_the_kept_fla_wheel_on_an_offline_machine(tmp_path):
     functions = BENCH / "gpu_check.sh"
     script = (
         f'source <(sed -n "/^WHEELS_PINNED=/,/^has_gpu_jax/p" {functions}); '
-        f"GPU_DIR={tmp_path / 'gpu'}; WHEELS={wheels}; PYTHONPATH=; add_offline_fla {sys.executable}; "
+        f"GPU_DIR={tmp_path / 'gpu'}; WHEELS={wheels}; PYTHONPATH=; add_offline_wheels {sys.executable}; "
         f"{sys.executable} -c 'import fla; print(fla.__version__)'"
     )
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
@@ -445,6 +471,121 @@ def test_gated_delta_flop_count_by_hand():
     assert gd.gdn_flops_fwd(1, 64, 1, 128, 64) == pytest.approx(
         6 * c * c * 128 + 4 * c * c * 64 + 6 * c * 128 * 64 + c**3 / 3
     )
+
+
+def test_end_to_end_flop_count_by_hand():
+    """F = 4·N_S + 2·N_train + 3·A_S + (2·N_T + A_T) per stage (bench/gpu_check_end_to_end.py), on a made-up model
+    of 2 layers x 4 heads of D = 8 (layer 0 all LA, layer 1 all FA), with a tied output head."""
+    from types import SimpleNamespace
+
+    import gpu_check_end_to_end as e2e
+    import gpu_check_gated_delta as gd
+
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2, tie_word_embeddings=True)
+    q, z = ("layers", "self_attn", "q_proj", "kernel"), ("layers", "self_attn", "gdn", "z_proj", "kernel")
+    up, head = ("layers", "mlp", "up_proj", "kernel"), ("embed_tokens", "embedding")
+    fm = e2e.FlopModel(cfg, (0, 4), 16, {q: 2 * 1024, z: 2 * 1000, up: 2 * 2048, head: 128 * 32})
+    # Per token at T = 32: the FA layer's 4 heads 2·T·D each, the LA layer's 4 heads the chunked rule's FLOPs / T.
+    a_s, a_t = 4 * 2 * 32 * 8 + 4 * gd.gdn_flops_fwd(1, 32, 1, 8, 8, 16) / 32, 8 * 2 * 32 * 8
+    stacked_gdn = 1000  # the stacked GDN weight (2 x 1000) at the 1/2 of heads that are LA
+    attention, every = 2 * (2048 + stacked_gdn), 2 * (2048 + stacked_gdn + 4096 + 128 * 32)
+    teacher_layers = 2 * (2048 + 4096)  # no GDN weights
+    stage = dict(seq_len=32, kl_weight=0.0)
+    align = e2e.stage_flops(fm, "align", stage, {z})
+    assert align == pytest.approx(2 * attention + 2 * stacked_gdn + 3 * a_s + teacher_layers + a_t)
+    everything = set(fm.weights)
+    assert e2e.stage_flops(fm, "distil", stage, everything) == pytest.approx(
+        3 * every + 3 * a_s + teacher_layers + 2 * 4096 + a_t
+    )
+    assert e2e.stage_flops(fm, "long", stage, everything) == pytest.approx(3 * every + 3 * a_s)
+    with_kl = e2e.stage_flops(fm, "long", dict(stage, kl_weight=0.5), everything)
+    assert with_kl == pytest.approx(3 * every + 3 * a_s + teacher_layers + 2 * 4096 + a_t)
+    assert e2e.peak_flops("NVIDIA H200") == e2e.peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert e2e.peak_flops("NVIDIA H100 PCIe") == 756e12 and e2e.peak_flops("cpu") is None
+
+
+def _fake_run(folder, run, kind, curves, rc=0, log="done"):
+    """A finished run of the end-to-end part: its metrics.jsonl (per-step loss, grad_norm of every stage) and log."""
+    import gpu_check_end_to_end as e2e
+
+    job = e2e.Job("m", run, kind, folder / run, "cpu", rc=rc)
+    job.workdir.mkdir(parents=True)
+    rows = [
+        {"stage": stage, "step": i + 1, "loss": float(loss), "grad_norm": float(gn), "step_time_s": 0.1}
+        for stage in e2e.STAGE_DIRS
+        for i, (loss, gn) in enumerate(zip(*curves))
+    ]
+    rows.insert(0, {"stage": e2e.STAGE_DIRS[0], "step": 0, "split": "heldout", "loss": 9.0})  # not a step row
+    (job.workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (job.folder / "log.txt").write_text(log + "\n")
+    return job
+
+
+def test_end_to_end_compares_the_curves_and_reports_failed_and_missing_runs(tmp_path):
+    """bf16 device curves pass within 2x the CPU bf16 run's own error against the f32 run and fail past it; a run
+    that crashed fails every stage with its last log line; a run not started for time is "not run", never a pass."""
+    import _gpu_check
+    import gpu_check_end_to_end as e2e
+    import numpy as np
+
+    kinds = e2e.RUNS["gpu"]
+    want = (np.array([3.0, 2.5, 2.0]), np.array([1.0, 0.8, 0.7]))
+    scaled = lambda f: tuple(c * f for c in want)  # noqa: E731
+
+    def report_for(name, device, baseline_why=""):
+        jobs = [
+            _fake_run(tmp_path / name, "device", kinds["device"], *device),
+            _fake_run(tmp_path / name, "oracle", kinds["oracle"], want),
+            _fake_run(tmp_path / name, "baseline", kinds["baseline"], scaled(1 + 1e-3)),
+        ]
+        jobs[2].why_not = baseline_why
+        rep = _gpu_check.Report("end_to_end", "full", tmp_path / name / "out", table="end_to_end")
+        e2e.compare(rep, {j.name: j for j in jobs}, "m", 3)
+        return rep
+
+    ok = report_for("ok", (scaled(1 - 1.9e-3),))
+    assert [c["status"] for c in ok.checks] == ["ok"] * 3 and ok.checks[0]["dtype"] == "bfloat16"
+    assert ok.checks[0]["limits"]["loss"] == pytest.approx(2e-3)
+    bad = report_for("bad", (scaled(1 + 2.1e-3),))
+    assert [c["status"] for c in bad.checks] == ["fail"] * 3 and bad.checks[0]["bad"] == ["loss", "grad_norm"]
+    crashed = report_for("crashed", (want, 1, "Traceback ...\nValueError: boom"))
+    assert all(c["status"] == "fail" and "m/device exited 1: ValueError: boom" in c["error"] for c in crashed.checks)
+    late = report_for("late", (want,), baseline_why="time budget (10 s left, ~60 s needed)")
+    assert [c["status"] for c in late.checks] == ["not run"] * 3 and "m/baseline: time budget" in late.checks[0][
+        "error"
+    ]
+    assert late.not_run() and not late.failures()
+    # A dry-run device run (the CPU) whose log shows the kernels were not run as Pallas fails, whatever its curves.
+    dry = _fake_run(tmp_path / "dry", "device", e2e.RUNS["dry-run"]["device"], want, log="no kernel warnings")
+    oracle = _fake_run(tmp_path / "dry", "oracle", e2e.RUNS["dry-run"]["oracle"], want)
+    rep = _gpu_check.Report("end_to_end", "dry-run", tmp_path / "dry" / "out", table="end_to_end")
+    e2e.compare(rep, {dry.name: dry, oracle.name: oracle}, "m", 3)
+    assert all(c["status"] == "fail" and "did not run the Pallas" in c["error"] for c in rep.checks)
+
+
+def test_end_to_end_recipes_validate(tmp_path):
+    """Every run the GPU day will start is a valid RunConfig, at the shapes the kernels take, with the switches on."""
+    import gpu_check_end_to_end as e2e
+
+    from hydrahead_jax.run_config import RunConfig
+
+    for model in e2e.MODELS["full"]:
+        recipe = e2e.RECIPES[model]("full", tmp_path / model)
+        for kind in e2e.RUNS["gpu"].values():
+            cfg = RunConfig.from_recipe(e2e.run_recipe(recipe, kind, e2e.STEPS["full"]))
+            assert (cfg.hybrid.attention_implementation, cfg.hybrid.gdn_implementation) == (kind.attention, kind.gdn)
+            assert not cfg.data.mask_documents and cfg.stage2.steps == e2e.STEPS["full"]
+            head_dim = cfg.teacher.model.head_dim if cfg.teacher.model else 16  # the reproduction teacher's
+            assert (
+                head_dim % 8 == 0
+                and (cfg.teacher.model.dtype if cfg.teacher.model else cfg.teacher.dtype) == kind.dtype
+            )
+            for stage in (cfg.stage1, cfg.stage2, cfg.stage3):
+                assert stage.seq_len % cfg.hybrid.gdn_chunk_size == 0 and stage.heldout_rows == 0
+    tiny = RunConfig.from_recipe(e2e.run_recipe(e2e.tiny_recipe("full", tmp_path), e2e.RUNS["gpu"]["device"], 8))
+    assert (tiny.teacher.model.head_dim, tiny.hybrid.gdn_chunk_size, tiny.stage3.seq_len) == (64, 64, 1024)
+    lines = (tmp_path / "reproduction" / "mqar.jsonl").read_text().splitlines()
+    assert len(lines) == e2e.MQAR_DOCS and all(json.loads(line)["text"] for line in lines)
 
 
 def test_gated_delta_peer_gets_the_same_bits():

@@ -208,13 +208,14 @@ def run_tiny_stage(workdir, mesh, stage_key, steps=3, **stage_changes):
         directory=workdir / stage_key,
         trainable=new_param_filter if scfg.train == "new" else nnx.Param,
         meta={},
-        make_iterator=lambda: make_stage_iterator(
+        make_iterator=lambda start_batch: make_stage_iterator(
             run.data,
             seq_len=scfg.seq_len,
             batch_size=scfg.batch_size,
             seed=1,
             vocab_size=cfg.vocab_size,
             synthetic_rate=0.0,
+            start_batch=start_batch,
         ),
     )
     run_stage(

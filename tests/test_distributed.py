@@ -2,11 +2,7 @@
 gloo collectives) train the tiny recipe on a (data=2, sequence=4) mesh to the losses and final model of one
 process with 8 devices, and resume after both are killed mid-stage. Plus the per-process data rows they rely on."""
 
-import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +10,7 @@ import grain
 import jax
 import numpy as np
 import pytest
-from train_helpers import ROOT, with_test_compilation_cache
+from train_helpers import ROOT, Cluster, cluster_env, logged_losses, train_command
 
 from hydrahead_jax.data.pipeline import BatchRows, resolve_batch_rows, select_batch_rows
 from hydrahead_jax.training import sharding as shd
@@ -79,75 +75,6 @@ def test_one_process_holds_every_row_and_put_batch_places_them():
 # ------------------------------------------------------------------------------------------------ train.py
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return with_test_compilation_cache(env)
-
-
-def _command(workdir: Path, *extra: str) -> list[str]:
-    config = str(ROOT / "configs" / "tiny.py")
-    return [sys.executable, str(ROOT / "train.py"), "--config", config, "--workdir", str(workdir), *MESH, *extra]
-
-
-class _Processes:
-    """The two processes of one multi-process train.py run, their output in files (no pipe to fill)."""
-
-    def __init__(self, workdir: Path, logs: Path):
-        port = _free_port()
-        logs.mkdir(parents=True, exist_ok=True)
-        self.logs = [logs / f"process{p}.log" for p in range(2)]
-        self.procs = []
-        for p, log in enumerate(self.logs):
-            cluster = ("--config.distributed=True", f"--coordinator_address=localhost:{port}")
-            cluster += ("--num_processes=2", f"--process_id={p}")
-            with open(log, "w") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        _command(workdir, *cluster), env=_env(4), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
-
-    def tails(self) -> str:
-        return "\n".join(
-            f"--- process {p} (last lines) ---\n" + log.read_text()[-3000:] for p, log in enumerate(self.logs)
-        )
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        try:
-            for proc in self.procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the 2-process run did not finish in {timeout:.0f} s\n{self.tails()}")
-        codes = [proc.returncode for proc in self.procs]
-        assert codes == [0, 0], f"exit statuses {codes}\n{self.tails()}"
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            proc.kill()  # SIGKILL: no checkpoint on the way out
-        for proc in self.procs:
-            proc.wait(timeout=60)
-
-
-def _losses(workdir: Path) -> dict[tuple[str, str, int], float]:
-    """{(stage, "train" or "heldout", step): loss}."""
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    losses = {(r["stage"], r.get("split", "train"), r["step"]): r["loss"] for r in rows}
-    assert len(losses) == len(rows), "one row per (step, split)"
-    return losses
-
-
 def _final_params(workdir: Path) -> list[np.ndarray]:
     from flax import nnx
 
@@ -161,14 +88,16 @@ def _final_params(workdir: Path) -> list[np.ndarray]:
 def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_killed(tmp_path):
     # Reference: one process, 8 devices, the same mesh and config.
     single = tmp_path / "single"
-    done = subprocess.run(_command(single), env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        train_command(single, *MESH), env=cluster_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = _losses(single)
+    expected = logged_losses(single)
     assert len(expected) == 24  # 3 stages x (6 steps + held-out rows at steps 0 and 6)
 
     # Two processes, killed (SIGKILL, both) once stage 2 has written its step-2 checkpoint, before it finishes.
     multi = tmp_path / "multi"
-    run = _Processes(multi, tmp_path / "logs-killed")
+    run = Cluster(multi, tmp_path / "logs-killed", *MESH)
     checkpoint, deadline = multi / "stage2_distil" / "2", time.monotonic() + 900
     while not checkpoint.is_dir() and all(p.poll() is None for p in run.procs) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -176,7 +105,9 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
     run.kill()
     assert checkpoint.is_dir() and finished_early == [None, None], f"no stage-2 checkpoint\n{run.tails()}"
     assert not (multi / "stage2_distil" / "DONE").exists(), "killed after stage 2 finished: not mid-stage"
-    killed = _losses(multi)
+    logs = [log.read_text() for log in run.logs]
+    assert "[select] head map" in logs[0] and "[select]" not in logs[1], "stage 0 runs on process 0 alone"
+    killed = logged_losses(multi)
     assert ("stage2_distil", "train", 2) in killed
     # Two processes reduce over the 8 devices in another order than one: measured (2026-12-03, 2-core AMD EPYC),
     # the largest relative difference of any logged loss is 1.7e-6, of any final parameter 2.1e-7 absolute.
@@ -185,11 +116,11 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
 
     # The rerun resumes stage 2 from its checkpoint and finishes the recipe: every step's loss (those before the
     # resume point were logged by the killed run) and the exported model are the single-process run's.
-    rerun = _Processes(multi, tmp_path / "logs-rerun")
+    rerun = Cluster(multi, tmp_path / "logs-rerun", *MESH)
     rerun.wait(timeout=900)
     log = rerun.logs[0].read_text()
     assert "[stage1_align] finished earlier" in log and "[stage2_distil] resuming from step" in log, rerun.tails()
-    resumed = _losses(multi)
+    resumed = logged_losses(multi)
     assert resumed.keys() == expected.keys()
     for key in expected:
         np.testing.assert_allclose(resumed[key], expected[key], rtol=1e-5, atol=0, err_msg=str(key))
@@ -198,7 +129,7 @@ def test_two_processes_train_the_tiny_recipe_like_one_and_resume_after_both_are_
 
 
 def test_distributed_without_a_cluster_is_one_line_naming_the_fix(tmp_path):
-    env = _env(1)
+    env = cluster_env(1)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     for extra, needle in (
         (("--config.distributed=True",), "no cluster to join"),
@@ -206,7 +137,7 @@ def test_distributed_without_a_cluster_is_one_line_naming_the_fix(tmp_path):
         (("--num_processes=2", "--process_id=0", "--coordinator_address=localhost:1"), "distributed=True as well"),
     ):
         done = subprocess.run(
-            _command(tmp_path / "w", *extra), env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+            train_command(tmp_path / "w", *MESH, *extra), env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
         )
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 2 and len(errors) == 1 and needle in errors[0], done.stderr[-2000:]

@@ -656,3 +656,26 @@ def test_journal_lines_cut_by_a_kill_and_journals_of_other_runs(tmp_path):
         Journal(tmp_path, header, per_run_folder=True).path.parent
         != Journal(tmp_path, other, per_run_folder=True).path.parent
     )
+
+
+def test_an_evaluation_on_gs_writes_its_report_there_and_resumes_from_it(world, tmp_path, capsys):
+    """--out gs://…: against a GCS API on 127.0.0.1 (gcs_emulator.py), the report, results and journal land in the
+    bucket; a second run finds the journal there and replays every unit instead of running it again."""
+    from gcs_emulator import BUCKET, emulator_env, gcs_emulator
+
+    from hydrahead_jax.evaluation.journal import NAME
+    from hydrahead_jax.storage import run_path
+
+    root = world["root"]
+    args = ["--model", f"student={world['student_dir']}", "--text", f"a={root / 'a.txt'}"]
+    args += "--suite ppl --lengths 256 --samples 2 --no-progress".split()
+    with gcs_emulator(tmp_path) as variables, emulator_env(variables):
+        url = f"gs://{BUCKET}/eval"
+        assert cli.main([*args, "--out", url]) == 0
+        out = run_path(url)
+        results = json.loads((out / "results.json").read_text())
+        assert (out / "report.md").read_text() and len((out / NAME).read_text().splitlines()) > 1
+        capsys.readouterr()
+        assert cli.main([*args, "--out", url]) == 0
+        assert "resuming:" in capsys.readouterr().err
+        assert _without_timings(json.loads((out / "results.json").read_text())) == _without_timings(results)

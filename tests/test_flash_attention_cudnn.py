@@ -176,3 +176,33 @@ def test_student_train_step_for_an_h200_runs_cudnn_for_every_fa_group(packed):
         assert set(attention) == TRITON, kernels
     else:
         assert set(attention) == CUDNN, kernels
+
+
+def test_every_stage_with_cudnn_named_runs_it_for_every_fa_group():
+    """bench/gpu_check_end_to_end.py's device runs name ``attention_implementation="cudnn"`` (no fallback) with
+    ``data.mask_documents=False``: each stage's bf16 train step, traced for an H200, takes cuDNN for every FA group
+    (the teacher's and the student's; align trains only the GDN heads, so no attention backward there) and our
+    gated delta kernels for the LA heads, and no call is refused, although the batch carries segment ids."""
+    from hydrahead_jax.hybrid.build import trainable_filter
+
+    c = tiny_config()
+    c.teacher.model.dtype = "bfloat16"
+    c.teacher.model.head_dim = 16
+    c.hybrid.attention_implementation, c.hybrid.gdn_implementation = "cudnn", "pallas"
+    cfg, teacher, head_map, hybrid = tiny_models(c)
+    student = build_model(cfg, head_map, hybrid, nnx.Rngs(0))
+    teacher_gd, teacher_state = nnx.split(teacher)
+    rows = _struct((2, int(c.stage2.seq_len)), jnp.int32)
+    batch = {name: rows for name in ("input_ids", "targets", "positions", "segment_ids")}
+    batch["loss_mask"] = _struct(rows.shape, jnp.float32)
+    backward = {"align": 0, "distil": 1, "long": 1}  # the student's FA layer; the teacher runs forward only
+    for kind, train in (("align", "new"), ("distil", "all"), ("long", "all")):
+        gd, params, frozen = nnx.split(student, trainable_filter(train), ...)
+        tx, schedule = make_optimizer(lr=1e-3, warmup_steps=2, total_steps=10)
+        step = make_train_step(gd, teacher_gd, tx, LossSettings(kind=kind, chunk=16, mask_documents=False))
+        pure = nnx.as_pure(params)
+        state = dict(params=pure, frozen=nnx.as_pure(frozen), opt_state=tx.init(pure), step=jnp.zeros((), jnp.int32))
+        with tracing_for("gpu"), assume_cuda_runtime():
+            kernels = _kernels(str(jax.make_jaxpr(step)(state, nnx.as_pure(teacher_state), batch, schedule(0))))
+        assert not set(kernels) & TRITON and kernels["dot_product_attention_bwd_wrapper"] == backward[kind], kernels
+        assert kernels["dot_product_attention_fwd_wrapper"] >= 1 and kernels["gated_delta_grads"] == 1, (kind, kernels)

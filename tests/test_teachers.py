@@ -13,9 +13,7 @@ import pytest
 
 from hydrahead_jax.models.loaders import CheckpointError, config_from_hf, read_gguf
 
-LLAMA3_ROPE = dict(
-    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
-)
+LLAMA3_ROPE = oracle.LLAMA3_ROPE
 FAMILIES = {
     "llama-3.1": ("llama", dict(tie_word_embeddings=False, rope_parameters=dict(LLAMA3_ROPE, rope_theta=5e5))),
     "llama-3.2": ("llama", dict(tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE, rope_theta=5e5))),

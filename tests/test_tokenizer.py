@@ -1,5 +1,7 @@
 """Tokenizers against transformers: SmolLM2 rebuilt from GGUF metadata, and a folder's tokenizer.json."""
 
+import json
+
 import oracle
 import pytest
 
@@ -55,6 +57,47 @@ def test_fingerprint_is_stable_and_discriminating(smol, tmp_path):
     assert ours.fingerprint == again.fingerprint
     folder = oracle.save_tiny_hf_model(tmp_path / "tiny", "llama")
     assert load_tokenizer(folder).fingerprint != ours.fingerprint
+
+
+# SmolLM2's fingerprint before documents had a start (commit bf98cd9): its token stores' names, and the demo's
+# figures through them, must not move.
+SMOLLM2_FINGERPRINT = "f7682e6743fcad6bde624fd01de1bd1f1f408f979feb54afbe6f9f1f9f33634a"
+
+
+def test_smollm2_documents_have_no_bos_as_in_transformers(smol):
+    """The bundled GGUF says tokenizer.ggml.add_bos_token = false: a document is its text's ids, as transformers'
+    add_special_tokens=True gives them, and the fingerprint is the one the existing token stores carry."""
+    ours, ref = smol
+    assert ours.document_start == ()
+    for text in MIXED:
+        assert ours.encode_document(text) == ref.encode(text, add_special_tokens=True) == ours.encode(text), text
+    assert ours.fingerprint == SMOLLM2_FINGERPRINT
+
+
+# Qwen2.5's tokenizer files in their BOS-relevant parts: a ByteLevel post-processor and no BOS token.
+QWEN_POST_PROCESSOR = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+QWEN_TOKENIZER_CONFIG = {
+    "add_bos_token": False,
+    "bos_token": None,
+    "eos_token": "<|endoftext|>",
+    "pad_token": "<|endoftext|>",
+    "tokenizer_class": "Qwen2Tokenizer",
+}
+
+
+@pytest.mark.parametrize("files", ["qwen2.5", "plain"])
+def test_qwen_documents_have_no_bos_as_in_transformers(tmp_path, files):
+    """Qwen2/3 add no BOS: with Qwen2.5's post-processor and tokenizer_config.json, and with the plain tiny
+    folder (no post-processor), a document's ids are transformers' add_special_tokens=True ids, BOS-free."""
+    folder = oracle.save_tiny_hf_model(tmp_path / "tiny", "qwen2")
+    if files == "qwen2.5":
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        (folder / "tokenizer.json").write_text(json.dumps({**spec, "post_processor": QWEN_POST_PROCESSOR}))
+        (folder / "tokenizer_config.json").write_text(json.dumps(QWEN_TOKENIZER_CONFIG))
+    ours, ref = load_tokenizer(folder), oracle.load_torch_tokenizer(folder)
+    assert ours.document_start == ()
+    for text in MIXED:
+        assert ours.encode_document(text) == ref.encode(text, add_special_tokens=True) == ours.encode(text), text
 
 
 def test_chat_template_matches_transformers(smol):

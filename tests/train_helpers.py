@@ -1,9 +1,12 @@
 """Helpers for the training tests: the recipe configs (configs/ lives at the repo root, outside the package)."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,10 +64,10 @@ def with_test_compilation_cache(env: dict) -> dict:
     return env
 
 
-def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
+def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py", cwd=ROOT, extra_env=None):
     """train.py on configs/<config> (tiny.py; an absolute path is used as it is) in a subprocess with ONE CPU
-    device (the tests' 8-device flag removed)."""
-    env = single_device_env()
+    device (the tests' 8-device flag removed), run in ``cwd`` with ``extra_env`` added to its environment."""
+    env = dict(single_device_env(), **(extra_env or {}))
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -75,8 +78,89 @@ def run_train(workdir, *overrides, timeout=600, wait=True, config="tiny.py"):
         *overrides,
     ]
     if not wait:
-        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def cluster_env(devices: int) -> dict[str, str]:
+    """The environment of one process of a multi-process run: ``devices`` CPU devices, this worktree importable
+    (the processes' own sys.path[0] is train.py's folder, set here as well for any other entry point) and the
+    tests' compilation cache."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return with_test_compilation_cache(env)
+
+
+def train_command(workdir, *extra: str) -> list[str]:
+    """``python train.py --config configs/tiny.py --workdir WORKDIR *extra``."""
+    config = str(ROOT / "configs" / "tiny.py")
+    return [sys.executable, str(ROOT / "train.py"), "--config", config, "--workdir", str(workdir), *extra]
+
+
+class Cluster:
+    """The processes of one multi-process train.py run on this machine (``processes`` of ``devices`` CPU devices
+    each, a local coordinator, gloo collectives), their output in files (no pipe to fill)."""
+
+    def __init__(self, workdir: Path, logs: Path, *extra: str, processes: int = 2, devices: int = 4):
+        port = free_port()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = [logs / f"process{p}.log" for p in range(processes)]
+        self.procs = []
+        for p, log in enumerate(self.logs):
+            cluster = ("--config.distributed=True", f"--coordinator_address=localhost:{port}")
+            cluster += (f"--num_processes={processes}", f"--process_id={p}")
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        train_command(workdir, *extra, *cluster),
+                        env=cluster_env(devices),
+                        cwd=ROOT,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+
+    def tails(self) -> str:
+        return "\n".join(
+            f"--- process {p} (last lines) ---\n" + log.read_text()[-3000:] for p, log in enumerate(self.logs)
+        )
+
+    def wait(self, timeout: float, expect: int = 0) -> None:
+        """Wait for every process to exit (killing them all past ``timeout``) and check each exit status."""
+        import pytest
+
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the {len(self.procs)}-process run did not finish in {timeout:.0f} s\n{self.tails()}")
+        codes = [proc.returncode for proc in self.procs]
+        assert codes == [expect] * len(self.procs), f"exit statuses {codes}, expected {expect}\n{self.tails()}"
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()  # SIGKILL: no checkpoint on the way out
+        for proc in self.procs:
+            proc.wait(timeout=60)
+
+
+def logged_losses(workdir: Path) -> dict[tuple[str, str, int], float]:
+    """{(stage, "train" or "heldout", step): loss} of a workdir's metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    losses = {(r["stage"], r.get("split", "train"), r["step"]): r["loss"] for r in rows}
+    assert len(losses) == len(rows), "one row per (step, split)"
+    return losses
 
 
 def tiny_models(c, **hybrid_changes):
@@ -100,8 +184,6 @@ def run_tiny_distil(workdir, mesh, *, steps=5, checkpoint_every=None, model_chan
     (``run_stage``); returns (the logged losses, the student's final full pure state). A ``workdir`` that exists
     is resumed (the trainer's own resume); ``model_changes`` override fields of the teacher's model config;
     ``checkpoint_every`` defaults to ``steps``."""
-    import json
-
     import jax
     from flax import nnx
 
@@ -129,8 +211,14 @@ def run_tiny_distil(workdir, mesh, *, steps=5, checkpoint_every=None, model_chan
         directory=workdir / "stage2_distil",
         trainable=nnx.Param,
         meta={},
-        make_iterator=lambda: make_stage_iterator(
-            run.data, seq_len=32, batch_size=4, seed=1, vocab_size=cfg.vocab_size, synthetic_rate=0.0
+        make_iterator=lambda start_batch: make_stage_iterator(
+            run.data,
+            seq_len=32,
+            batch_size=4,
+            seed=1,
+            vocab_size=cfg.vocab_size,
+            synthetic_rate=0.0,
+            start_batch=start_batch,
         ),
     )
     final = run_stage(

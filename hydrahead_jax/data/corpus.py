@@ -4,7 +4,9 @@ into a TensorStore token store.
 Store layout (one folder)::
 
     metadata.json            tokenizer identity, source description + hash, split settings, counts
-    train/tokens             zarr3 int32 [num_tokens]   all train documents back to back, EOS after each
+    train/tokens             zarr3 int32 [num_tokens]   all train documents back to back, each opened by the
+                                                        tokenizer's document start (Llama 3: BOS; SmolLM2: none)
+                                                        and closed by EOS
     train/offsets            zarr3 int64 [num_docs + 1] document d = tokens[offsets[d]:offsets[d+1]]
     validation/tokens, validation/offsets   the same for the held-out documents
 
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
-from hydrahead_jax.data.protocol import TokenizerLike
+from hydrahead_jax.data.protocol import TokenizerLike, encode_documents
 from hydrahead_jax.data.wiki import iter_wiki_articles
 
 STORE_FORMAT = "hydrahead-token-store"
@@ -321,12 +323,13 @@ def _tokenizer_identity(tokenizer: TokenizerLike) -> dict:
 def _tokenize(
     docs: list[str], tokenizer: TokenizerLike, append_eos: bool, batch_docs: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Flat int32 tokens and int64 offsets [len(docs)+1] (EOS after each document when asked)."""
+    """Flat int32 tokens and int64 offsets [len(docs)+1]: each document as ``encode_document`` gives it (BOS first
+    for a tokenizer that adds one), EOS after it when asked."""
     chunks, lengths = [], []
     eos = [int(tokenizer.eos_id)] if append_eos else []
     for i in range(0, len(docs), batch_docs):
-        for ids in tokenizer.encode_batch(docs[i : i + batch_docs]):
-            arr = np.asarray(list(ids) + eos, dtype=np.int64)
+        for ids in encode_documents(tokenizer, docs[i : i + batch_docs]):
+            arr = np.asarray(ids + eos, dtype=np.int64)
             chunks.append(arr)
             lengths.append(len(arr))
     tokens = np.concatenate(chunks) if chunks else np.zeros([0], np.int64)
@@ -376,8 +379,10 @@ def prepare_corpus(
     """Tokenises `source` once into a token store and returns its path (reusing a matching store).
 
     Validation holds max(1, round(validation_fraction * num_docs)) documents chosen by `split_seed`
-    (none when validation_fraction == 0). Each document gets the tokenizer's EOS appended, so packed
-    sequences can tell document boundaries apart and the model learns to end documents.
+    (none when validation_fraction == 0). Each document starts as the tokenizer starts one (Llama 3: with its BOS,
+    as transformers' ``add_special_tokens=True`` does; the store's name then differs through the tokenizer's
+    fingerprint) and gets the tokenizer's EOS appended, so packed sequences can tell document boundaries apart and
+    the model learns to end documents.
     """
     if not 0.0 <= validation_fraction < 1.0:
         raise CorpusError(f"validation_fraction must be in [0, 1), not {validation_fraction}.")

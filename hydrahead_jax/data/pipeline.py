@@ -209,11 +209,19 @@ class BatchRows(grain.MapDataset):
         return self._parent[step * self._batch_size + self._rows[j]]
 
 
-def select_batch_rows(rows: grain.MapDataset, batch_size: int, batch_rows: tuple[int, ...]) -> grain.IterDataset:
-    """Batches of this process's ``batch_rows`` of each global batch of ``batch_size`` (see ``BatchRows``)."""
+def select_batch_rows(
+    rows: grain.MapDataset, batch_size: int, batch_rows: tuple[int, ...], start_batch: int = 0
+) -> grain.MapDataset:
+    """Batches of this process's ``batch_rows`` of each global batch of ``batch_size`` (see ``BatchRows``), from
+    global batch ``start_batch`` on: a position counted in global batches names the same global rows whichever
+    rows of them this process reads, so a resume on another number of processes continues where the run stopped."""
+    if start_batch < 0:
+        raise ValueError(f"start_batch must be >= 0, not {start_batch}.")
     if batch_rows == tuple(range(batch_size)):
-        return rows.batch(batch_size, drop_remainder=True)
-    return BatchRows(rows, batch_size, batch_rows).batch(len(batch_rows), drop_remainder=True)
+        batches = rows.batch(batch_size, drop_remainder=True)
+    else:
+        batches = BatchRows(rows, batch_size, batch_rows).batch(len(batch_rows), drop_remainder=True)
+    return batches[start_batch:] if start_batch else batches
 
 
 def make_train_iterator(
@@ -227,6 +235,7 @@ def make_train_iterator(
     shard_index: int | None = None,
     shard_count: int | None = None,
     batch_rows: Sequence[int] | None = None,
+    start_batch: int = 0,
     synthetic_rate: float = 0.0,
     synthetic_tasks: Sequence[str] | None = None,
     synthetic_loss: str = "answer",
@@ -241,9 +250,11 @@ def make_train_iterator(
     `batch_size` is the GLOBAL batch: process p of P gets rows p, p+P, p+2P, ... of the global row
     sequence, batch_size // P of them per step, so the union of all processes' step-s batches is exactly
     the single-process step-s batch; `batch_rows` names the rows of each global batch this process reads
-    instead (see `resolve_batch_rows`: a multi-process run reads the rows its devices hold). `synthetic_rate` > 0 mixes seeded synthetic retrieval rows in
-    (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with `get_state()`/`set_state()` or
-    Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at exactly the next batch.
+    instead (see `resolve_batch_rows`: a multi-process run reads the rows its devices hold). `start_batch`: the
+    first global batch read (a resumed run's position, `select_batch_rows`). `synthetic_rate` > 0 mixes seeded
+    synthetic retrieval rows in (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with
+    `get_state()`/`set_state()` or Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at
+    exactly the next batch.
     """
     return make_dataset(
         store_path,
@@ -255,6 +266,7 @@ def make_train_iterator(
         shard_index=shard_index,
         shard_count=shard_count,
         batch_rows=batch_rows,
+        start_batch=start_batch,
         synthetic_rate=synthetic_rate,
         synthetic_tasks=synthetic_tasks,
         synthetic_loss=synthetic_loss,
@@ -277,6 +289,7 @@ def make_dataset(
     shard_index: int | None = None,
     shard_count: int | None = None,
     batch_rows: Sequence[int] | None = None,
+    start_batch: int = 0,
     synthetic_rate: float = 0.0,
     synthetic_tasks: Sequence[str] | None = None,
     synthetic_loss: str = "answer",
@@ -307,6 +320,6 @@ def make_dataset(
         )
     elif synthetic_rate < 0:
         raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
-    batches = select_batch_rows(rows, batch_size, batch_rows)
+    batches = select_batch_rows(rows, batch_size, batch_rows, start_batch)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return batches.to_iter_dataset(options)

@@ -19,14 +19,46 @@ class TokenizerLike(Protocol):
     vocab_size: int
     eos_id: int | None
     bos_id: int | None
+    # The ids the tokenizer puts before each document (Llama 3: its BOS; SmolLM2, Qwen: none); see `encode_document`.
+    document_start: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens added."""
+        """Token ids of `text`, no special tokens added (a piece of text, not a whole document)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+
+def leading_special_ids(backend) -> tuple[int, ...]:
+    """The ids a `tokenizers.Tokenizer`'s post-processor puts before a single sequence when asked for special tokens
+    (``add_special_tokens=True``): ``(bos,)`` for Llama 3's template ``<|begin_of_text|> $A``, ``()`` for SmolLM2's
+    and Qwen's (which add none). Tokens it appends after the sequence are not included: documents get their EOS from
+    the corpus (``append_eos``), and a prompt must not end in one."""
+    encoding = backend.encode("a", add_special_tokens=True)
+    first = next((i for i, s in enumerate(encoding.sequence_ids) if s is not None), None)
+    if first is None:
+        raise ValueError("the tokenizer encodes 'a' to no token, so where its special tokens go cannot be told.")
+    return tuple(int(i) for i in encoding.ids[:first])
+
+
+def document_start(tokenizer: TokenizerLike) -> list[int]:
+    """The ids every document begins with: the tokenizer's ``document_start`` (a tokenizer without one adds none)."""
+    return [int(i) for i in getattr(tokenizer, "document_start", ())]
+
+
+def encode_document(tokenizer: TokenizerLike, text: str) -> list[int]:
+    """Token ids of `text` as the start of a document: what transformers' tokenizer gives with
+    ``add_special_tokens=True`` (Llama 3: ``<|begin_of_text|>`` first), less any special tokens appended at its end.
+    Every document start (corpus rows, probe and evaluation prompts, held-out text) is encoded through here."""
+    return document_start(tokenizer) + list(tokenizer.encode(text))
+
+
+def encode_documents(tokenizer: TokenizerLike, texts: Sequence[str]) -> list[list[int]]:
+    """`encode_document` of each text, tokenised as one batch."""
+    start = document_start(tokenizer)
+    return [start + list(ids) for ids in tokenizer.encode_batch(list(texts))]
 
 
 class TokenizerModelMismatchError(ValueError):

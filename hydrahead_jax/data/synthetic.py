@@ -15,7 +15,9 @@ tracking hide their needles between sentences of real corpus text (`Haystack`).
 Exact positions: every piece of a prompt (prefix, haystack sentences, needle text, needle value,
 question) is tokenised on its own and the id lists are concatenated, so the answer's tokens appear
 verbatim in the prompt and `prompt_ids[needle_positions] == answer_ids` holds by construction (it is
-also checked). Haystack sentences are tokenised with a leading space, as they would be mid-text.
+also checked). Haystack sentences are tokenised with a leading space, as they would be mid-text. A prompt
+is a document: its prefix is encoded with `encode_document`, so it opens with the tokenizer's BOS where the
+tokenizer adds one (Llama 3), and the BOS counts toward the prompt's length.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hydrahead_jax.data.protocol import TokenizerLike
+from hydrahead_jax.data.protocol import TokenizerLike, document_start, encode_document
 
 NEEDLE_TYPES = ("number", "word", "uuid")
 _TYPE_NOUN = {"number": ("number", "numbers"), "word": ("word", "words"), "uuid": ("uuid", "uuids")}
@@ -95,11 +97,14 @@ class Haystack:
 
     @classmethod
     def from_store(cls, store, tokenizer: TokenizerLike, *, max_tokens: int = 2_000_000) -> Haystack:
-        """Haystack from a token store split (a `CorpusStore`): decodes documents up to `max_tokens`."""
+        """Haystack from a token store split (a `CorpusStore`): decodes documents (without the tokenizer's document
+        start and the EOS the store adds) up to `max_tokens`."""
         texts, total = [], 0
-        eos = store.eos_id
+        eos, start = store.eos_id, document_start(tokenizer)
         for d in range(store.num_docs):
             ids = store.document(d)
+            if start and list(ids[: len(start)]) == start:
+                ids = ids[len(start) :]
             if eos is not None and len(ids) and ids[-1] == eos:
                 ids = ids[:-1]
             texts.append(tokenizer.decode(ids))
@@ -134,6 +139,10 @@ class _Builder:
 
     def ids(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
+
+    def opening(self, text: str) -> list[int]:
+        """The prompt's first piece: ``text`` as the start of a document (BOS first where the tokenizer adds one)."""
+        return encode_document(self.tok, text)
 
     def value(self, needle_type: str) -> str:
         if needle_type == "number":
@@ -343,7 +352,7 @@ def niah(
             f"\nWhat are all the special magic {noun_pl} for {asked_text} mentioned in the provided text? "
             f"Answer: The special magic {noun_pl} for {asked_text} mentioned in the provided text are:"
         )
-    prefix = b.ids(NIAH_PREFIX.format(noun_pl=noun_pl))
+    prefix = b.opening(NIAH_PREFIX.format(noun_pl=noun_pl))
     if needle_haystack:
         haystack = _NeedleFiller(b, noun_pl, needle_type, make_key, keys)
     return _with_haystack(b, haystack, length, count_answer, prefix, needles, b.ids(q), answer_ids)
@@ -367,7 +376,7 @@ def passkey(
         haystack,
         length,
         count_answer,
-        b.ids(PASSKEY_PREFIX),
+        b.opening(PASSKEY_PREFIX),
         [(d, needle)],
         b.ids("\nWhat is the pass key? The pass key is"),
         b.ids(key),
@@ -411,7 +420,7 @@ def variable_tracking(
         f"assigned the value {value}, they are:"
     )
     answer_ids = [t for n in names for t in b.ids(" " + n)]
-    return _with_haystack(b, haystack, length, count_answer, b.ids(VT_PREFIX), needles, b.ids(q), answer_ids)
+    return _with_haystack(b, haystack, length, count_answer, b.opening(VT_PREFIX), needles, b.ids(q), answer_ids)
 
 
 def kv_retrieval(
@@ -427,7 +436,7 @@ def kv_retrieval(
     len(prompt_ids) <= length (within one pair of it)."""
     del haystack
     b = _Builder("kv_retrieval", tokenizer, seed)
-    prefix = b.ids(KV_PREFIX)
+    prefix = b.opening(KV_PREFIX)
     q_head = b.ids('}\n\nKey: "')
     q_tail = b.ids('"\nThe value associated with the specified key is: "')
     pairs: list[tuple[list[int], list[int], list[int], list[int]]] = []  # key piece, key ids, value, close

@@ -11,11 +11,14 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hydrahead_jax.data.protocol import leading_special_ids
+
 EOS_TOKEN = "<|endoftext|>"
 
 
 class TokenizersAdapter:
-    """Wraps a `tokenizers.Tokenizer` in the TokenizerLike protocol (no special tokens on encode)."""
+    """Wraps a `tokenizers.Tokenizer` in the TokenizerLike protocol (no special tokens on encode; documents start
+    with what its post-processor puts first, ``document_start``)."""
 
     def __init__(
         self,
@@ -30,6 +33,7 @@ class TokenizersAdapter:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.document_start = leading_special_ids(tokenizer)
 
     @property
     def backend(self) -> Tokenizer:

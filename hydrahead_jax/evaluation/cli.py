@@ -12,8 +12,11 @@ from hydrahead_jax.evaluation.journal import JournalError
 from hydrahead_jax.evaluation.models import ModelSpecError, load_model, load_models
 from hydrahead_jax.evaluation.report import write_outputs, write_results
 from hydrahead_jax.evaluation.suite import Settings, Suite, SuiteError, parse_lengths, parse_suite
+from hydrahead_jax.storage import is_object_store, local_mirror
 
 DEFAULT_SUITE = "niah,passkey,multikey,kv,ppl,agreement,efficiency"
+# lm-evaluation-harness tasks (``--tasks``), run in-process by ``evaluation.harness``; beside our suites, not one of them.
+LM_EVAL_SUITE = "lm-eval"
 
 
 def parse_bytes(text: str) -> int:
@@ -85,13 +88,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of --model: one report (tables, plots, results.json) from the --out folders of finished runs "
         "(repeatable; e.g. one run per length), each number with its own run's samples",
     )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help=f"with --suite {LM_EVAL_SUITE}: comma list of lm-evaluation-harness tasks (names or globs), e.g. "
+        "hellaswag,wikitext",
+    )
+    p.add_argument("--include-path", default=None, help="a folder of local lm-eval task YAMLs (lm-eval's own option)")
+    p.add_argument(
+        "--limit", type=float, default=None, help="lm-eval: at most this many documents per task (< 1: a fraction)"
+    )
     p.add_argument("--out", required=True, help="output folder for results.json, report.md and plots")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 
-def settings_from_args(args) -> Settings:
-    suites = parse_suite(args.suite or DEFAULT_SUITE)
+def split_lm_eval(suite: str | None) -> tuple[str | None, bool]:
+    """(the --suite text without ``lm-eval``, None when nothing else is left; whether ``lm-eval`` was named)."""
+    names = [n.strip() for n in (suite or DEFAULT_SUITE).split(",") if n.strip()]
+    rest = [n for n in names if n != LM_EVAL_SUITE]
+    return (",".join(rest) or None), len(rest) < len(names)
+
+
+def lm_eval_tasks(args, wanted: bool) -> list[str] | None:
+    """The --tasks of ``--suite lm-eval`` (None without it), after checking the flags that go with it."""
+    if not wanted:
+        if args.tasks or args.include_path or args.limit is not None:
+            raise SuiteError(f"--tasks, --include-path and --limit are lm-eval's: add {LM_EVAL_SUITE} to --suite.")
+        return None
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if not tasks:
+        raise SuiteError(f"--suite {LM_EVAL_SUITE} needs --tasks, e.g. --tasks hellaswag,wikitext.")
+    if args.include_path and not Path(args.include_path).is_dir():
+        raise SuiteError(f"--include-path {args.include_path}: not a folder.")
+    if args.limit is not None and args.limit <= 0:
+        raise SuiteError(f"--limit must be > 0, got {args.limit}.")
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise SuiteError(
+            f"--suite {LM_EVAL_SUITE} needs lm-evaluation-harness: pip install -e '.[eval]' (or lm-eval==0.4.13)."
+        )
+    return tasks
+
+
+def settings_from_args(args) -> Settings | None:
+    """Our suites' settings, None when --suite names lm-eval alone."""
+    suite, _ = split_lm_eval(args.suite)
+    if suite is None:
+        return None
+    suites = parse_suite(suite)
     demo = args.suite is not None and "demo" in [s.strip() for s in args.suite.split(",")]
     lengths = parse_lengths(args.lengths) if args.lengths else None
     depths = None
@@ -156,12 +202,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.combine:
         return combine_runs(args.combine, Path(args.out))
+    if is_object_store(args.out):  # the journal grows line by line: written locally, copied to the bucket
+        with local_mirror(args.out) as out:
+            return evaluate(args, out)
+    return evaluate(args, Path(args.out))
+
+
+def evaluate(args, out: Path) -> int:
+    """The evaluation of ``--model`` (resumed from the journal in ``out``), its report written to ``out``."""
     try:
         settings = settings_from_args(args)
-        out = Path(args.out)
+        tasks = lm_eval_tasks(args, split_lm_eval(args.suite)[1])
         if out.exists() and not out.is_dir():
             raise SuiteError(f"--out {out} exists and is not a folder.")
+        manager = None
+        if tasks is not None:  # the tasks are found before any model loads
+            from hydrahead_jax.evaluation.harness import HarnessError, task_manager
+
+            try:
+                manager = task_manager(tasks, args.include_path)
+            except HarnessError as err:
+                raise SuiteError(str(err)) from None
         models = load_models(args.model)
+        if settings is None:
+            return run_lm_eval(models, tasks, out, manager=manager, limit=args.limit)
         teacher = None
         if args.teacher and not any(m.is_teacher for m in models):
             teacher = load_model(f"teacher:{args.teacher}")
@@ -172,12 +236,27 @@ def main(argv: list[str] | None = None) -> int:
     except (SuiteError, ModelSpecError, JournalError) as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2
+    if tasks is not None and run_lm_eval(models, tasks, out, manager=manager, limit=args.limit):
+        return 2
     suite.run(progress=not args.no_progress)
     write_outputs(suite, out)
     print(
         f"wrote {out / 'report.md'}, {out / 'results.json'} and plots"
         + (f"; {len(suite.skipped)} cell(s) skipped, see the report" if suite.skipped else "")
     )
+    return 0
+
+
+def run_lm_eval(models, tasks: list[str], out: Path, *, manager, limit: float | None) -> int:
+    """``--suite lm-eval``: each model's lm-eval results JSON under out/lm_eval/, their tables in out/lm_eval.md."""
+    from hydrahead_jax.evaluation.harness import HarnessError, run_suite
+
+    try:
+        written = run_suite(models, tasks, out, manager=manager, limit=limit)
+    except HarnessError as err:
+        print(f"eval.py: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote lm-eval results {', '.join(str(p) for p in written.values())} and {out / 'lm_eval.md'}")
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hydrahead_jax.data import synthetic
+from hydrahead_jax.data.protocol import encode_document
 
 # suite name → synthetic task name
 RETRIEVAL_TASKS = {
@@ -113,7 +114,9 @@ class Inputs:
         return ["wiki-val" if self.corpus["source"] == "enwiki" else "corpus-val", "news"]
 
     def stream(self, name: str, tok) -> np.ndarray:
-        """Token ids int32 [N] of held-out source ``name`` (documents joined by EOS when the tokenizer has one)."""
+        """Token ids int32 [N] of held-out source ``name``: a text file (and ``news``) as one document, the corpus
+        validation split as its token store holds it (documents joined by EOS); each document opens with the
+        tokenizer's BOS where it adds one (``encode_document``), so the first window starts as a document does."""
         key = (name, tokenizer_key(tok))
         if key not in self._streams:
             self._streams[key] = self._load_stream(name, tok)
@@ -121,11 +124,11 @@ class Inputs:
 
     def _load_stream(self, name: str, tok) -> np.ndarray:
         if self.text_paths:
-            return np.asarray(tok.encode(_read_text(self.text_paths[name])), np.int32)
+            return np.asarray(encode_document(tok, _read_text(self.text_paths[name])), np.int32)
         if name == "news":
             from hydrahead_jax.data import load_heldout_text
 
-            return np.asarray(tok.encode(load_heldout_text()), np.int32)
+            return np.asarray(encode_document(tok, load_heldout_text()), np.int32)
         if name in ("wiki-val", "corpus-val"):
             from hydrahead_jax.data import CorpusStore, prepare_corpus
 

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from hydrahead_jax.run_config import STAGES
+from hydrahead_jax.storage import is_object_store, run_path
 
 
 class ModelSpecError(ValueError):
@@ -128,7 +129,7 @@ def load_model(spec: str) -> EvalModel:
         except (ValueError, OSError) as err:
             raise ModelSpecError(f"--model {spec!r}: cannot load the teacher: {err}") from err
         return EvalModel(name, model, tok, "teacher", spec, info=describe(model))
-    path = Path(body).expanduser()
+    path = run_path(body, what="--model") if is_object_store(body) else Path(body).expanduser()
     if not path.exists():
         raise ModelSpecError(
             f"--model {spec!r}: {path} does not exist. Give an exported model folder "

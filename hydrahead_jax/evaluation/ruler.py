@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from hydrahead_jax.data import synthetic
+from hydrahead_jax.data.protocol import document_start
 from hydrahead_jax.evaluation.intervals import wilson_interval
 from hydrahead_jax.evaluation.scoring import string_match_all
 
@@ -94,6 +95,7 @@ class RulerInputs:
 
     def __init__(self, tokenizer, corpus: synthetic.Haystack):
         self.tok = tokenizer
+        self.start = document_start(tokenizer)  # what every prompt opens with (Llama 3: BOS), counted in its length
         self.corpus = corpus
         self.noise = synthetic.Haystack(" ".join([NOISE] * 4), tokenizer)
         self._words: list[str] | None = None
@@ -156,8 +158,9 @@ def build(task: str, inputs: RulerInputs, *, length: int, seed: int, depth: floa
 
 
 def _assemble(inputs: RulerInputs, pieces: list[str]) -> np.ndarray:
+    """The prompt: the document start, then each piece tokenised on its own."""
     ids = [t for piece in inputs.tok.encode_batch(pieces) for t in piece]
-    return np.asarray(ids, np.int32)
+    return np.asarray(inputs.start + ids, np.int32)
 
 
 def common_words(
@@ -188,7 +191,7 @@ def common_words(
         + "\n"
     )
     head, question = example + CWE_TEMPLATE, CWE_QUESTION.format(n=num_cw)
-    fixed = sum(inputs.count([head, question]))
+    fixed = len(inputs.start) + sum(inputs.count([head, question]))
     # Tokens of the list = Σ over entries of tok(" i.") + tok(" word"): the numbers 1 … N whatever the order.
     n_common = num_cw * freq_cw
     used = fixed + sum(inputs.count([" " + w for w in common])) * freq_cw
@@ -227,7 +230,7 @@ def frequent_words(
         vocab.setdefault("".join(rng.choice(letters, word_len)))
     vocab = ["...", *list(vocab)[1:]]
     tokens = np.asarray(inputs.count([" " + w for w in vocab]))
-    fixed = sum(inputs.count([FWE_TEMPLATE, FWE_QUESTION]))
+    fixed = len(inputs.start) + sum(inputs.count([FWE_TEMPLATE, FWE_QUESTION]))
 
     def size(n: int) -> int:
         return fixed + int(zipf_counts(n, vocab_size, alpha) @ tokens)

@@ -495,12 +495,15 @@ class EvalData:
     """The held-out prompts and windows every model is measured on, built once per process."""
 
     def __init__(self, study: Study, paths: dict[str, Path], tokenizer):
+        from hydrahead_jax.data.protocol import encode_documents
         from hydrahead_jax.data.synthetic import Haystack, niah
 
         self.study, self.tokenizer = study, tokenizer
         self.symbols = study.teacher.symbols.ids(tokenizer)
         texts = _read_texts(paths["heldout"])
-        stream = np.concatenate([np.asarray(x + [tokenizer.eos_id], np.int32) for x in tokenizer.encode_batch(texts)])
+        stream = np.concatenate(
+            [np.asarray(x + [tokenizer.eos_id], np.int32) for x in encode_documents(tokenizer, texts)]
+        )
         length, rows = study.seq_len, study.eval.kl_rows
         if len(stream) < rows * length:
             stream = np.tile(stream, math.ceil(rows * length / len(stream)))

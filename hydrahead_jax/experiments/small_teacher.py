@@ -252,13 +252,14 @@ class TeacherData:
     """The batch of step s (module doc): a pure function of (recipe.seed, s)."""
 
     def __init__(self, recipe: TeacherRecipe, tokenizer, train_texts: list[str]):
+        from hydrahead_jax.data.protocol import encode_documents
         from hydrahead_jax.data.synthetic import Haystack
 
         self.recipe, self.tokenizer = recipe, tokenizer
         self.symbols = recipe.symbols.ids(tokenizer)
         eos = tokenizer.eos_id
         stream = []
-        for ids in tokenizer.encode_batch(train_texts):
+        for ids in encode_documents(tokenizer, train_texts):
             stream.extend(ids + ([eos] if eos is not None else []))
         self.stream = np.asarray(stream, np.int32)
         if len(self.stream) <= recipe.seq_len:

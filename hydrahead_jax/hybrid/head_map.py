@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hydrahead_jax.config import ModelConfig
+from hydrahead_jax.storage import is_object_store, run_path
 
 FORMAT_VERSION = 1
 ALLOCATIONS = ("per_layer", "global", "whole_layers")
@@ -338,6 +339,9 @@ class HeadMap:
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON atomically (temporary file in the same directory, then rename): never a half-written map."""
         self.validate(source=str(path))
+        if is_object_store(path):  # an object's upload is atomic already
+            run_path(path).write_text(_dumps(self.to_dict()))
+            return
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
@@ -361,8 +365,7 @@ class HeadMap:
         """Read and validate a map (against ``cfg`` when given)."""
         path = os.fspath(path)
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(run_path(path).read_text())
         except FileNotFoundError:
             raise HeadMapError(f"head map file {path!r} does not exist; run head selection (stage 0) first.") from None
         except json.JSONDecodeError as e:

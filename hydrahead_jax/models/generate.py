@@ -106,3 +106,61 @@ def generate(
         eos_id=eos_id,
         return_logits=return_logits,
     )
+
+
+def greedy_continuations(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    prefill_length: int,
+    cache_length: int,
+    eos_id: int | None = None,
+    stop: Callable[[int, list[int]], bool] | None = None,
+) -> list[list[int]]:
+    """Greedy continuations of prompts of different lengths, as one batch through the decode cache.
+
+    Every row runs through the same positions 0, 1, …: the first ``prefill_length`` tokens (at most the shortest
+    prompt) in one prefill, then one token per step, which is row i's own prompt token n while n < len(prompts[i])
+    (teacher forcing: the logits of that step are not used) and its greedy pick after. No padding ever enters a
+    row, so each row's continuation is that of its prompt alone, and the compiled programs depend only on
+    (rows, ``prefill_length``, ``cache_length``), not on the prompts' lengths: a caller that rounds those two to a
+    few sizes runs many prompts on a few programs.
+
+    A row is finished after ``max_new_tokens`` tokens, after ``eos_id`` (kept in its output), or when
+    ``stop(row, its tokens so far)`` is true; finished rows keep stepping (their outputs frozen) until every row
+    is finished. ``cache_length`` must hold the longest prompt plus ``max_new_tokens``.
+    """
+    lengths = [len(p) for p in prompts]
+    if not prompts or not 1 <= prefill_length <= min(lengths):
+        raise ValueError(
+            f"prefill_length={prefill_length} must lie in [1, shortest prompt = {min(lengths, default=0)}]."
+        )
+    if cache_length < max(lengths) + max_new_tokens or max_new_tokens < 1:
+        raise ValueError(
+            f"cache_length={cache_length} must hold the longest prompt ({max(lengths)}) plus max_new_tokens="
+            f"{max_new_tokens} (>= 1)."
+        )
+    graphdef, state = nnx.split(model)
+    head = np.asarray([p[:prefill_length] for p in prompts], np.int32)
+    logits, cache = _prefill(graphdef, state, jnp.asarray(head), model.init_cache(len(prompts), cache_length))
+    out: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(len(prompts), bool)
+    position = prefill_length  # of the token the next step feeds
+    while True:
+        picked = np.asarray(_pick(logits, 0.0, None))
+        feed = picked.copy()
+        for i, prompt in enumerate(prompts):
+            if position < lengths[i]:
+                feed[i] = prompt[position]
+            elif not done[i]:
+                out[i].append(int(picked[i]))
+                done[i] = (
+                    len(out[i]) == max_new_tokens
+                    or (eos_id is not None and out[i][-1] == eos_id)
+                    or (stop is not None and stop(i, out[i]))
+                )
+        if done.all():
+            return out
+        logits, cache = _decode_step(graphdef, state, jnp.asarray(feed), cache)
+        position += 1

@@ -4,6 +4,12 @@ A GGUF file has no tokenizer.json; it stores llama.cpp's description of one (``t
 type (``gpt2`` = byte-level BPE), the tokens in id order, the merges, each token's type (1 normal, 3 control,
 4 user-defined) and the pre-tokenizer name (``tokenizer.ggml.pre``). We rebuild the same `tokenizers.Tokenizer`
 the original repository ships, so ids agree with transformers and llama.cpp.
+
+Whether a document starts with a BOS comes from the tokenizer itself, decided as transformers (>= 5) decides it: a
+GGUF's ``tokenizer.ggml.add_bos_token`` (Llama 3: true; SmolLM2, Qwen: false; absent: no BOS), a folder's
+tokenizer.json post-processor (Llama 3's template ``<|begin_of_text|> $A``; tokenizer_config.json's
+``add_bos_token`` is ignored beside a tokenizer.json, as transformers ignores it). Both end up as the backend's
+post-processor, which ``Tokenizer.document_start`` reads.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from hydrahead_jax.data.protocol import encode_document, leading_special_ids
 from hydrahead_jax.models.loaders import CheckpointError, gguf_field, resolve_source
+from hydrahead_jax.storage import run_path
 
 # Pre-tokenizer regexes by llama.cpp's ``tokenizer.ggml.pre`` name (the split a vocabulary's merges were learned on).
 _LLAMA3_SPLIT = (
@@ -121,14 +129,35 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
     )
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    bos_id = int(bos.contents()) if bos is not None else None
+    eos_id = int(eos.contents()) if eos is not None else None
+    # A byte-level GGUF without the flags adds nothing (as transformers reads one); Llama 3's files set add_bos_token.
+    add_bos, add_eos = (bool(gguf_field(reader, f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos"))
+    if add_bos or add_eos:
+        backend.post_processor = _special_tokens_template(
+            backend, bos_id if add_bos else None, eos_id if add_eos else None
+        )
     template = reader.fields.get("tokenizer.chat_template")
     return Tokenizer(
         backend,
         name=str(gguf_field(reader, "general.name", path.stem)),
-        bos_id=int(bos.contents()) if bos is not None else None,
-        eos_id=int(eos.contents()) if eos is not None else None,
+        bos_id=bos_id,
+        eos_id=eos_id,
         chat_template=template.contents() if template is not None else None,
     )
+
+
+def _special_tokens_template(backend: HFTokenizer, bos_id: int | None, eos_id: int | None):
+    """transformers' post-processor for add_bos_token/add_eos_token: ``[BOS] $A [EOS]`` for one sequence and
+    ``[BOS] $A [EOS] [BOS] $B [EOS]`` for a pair (``TokenizersBackend.update_post_processor``); None: not added."""
+
+    def piece(token_id: int | None, type_id: int) -> list[str]:
+        return [] if token_id is None else [f"{backend.id_to_token(token_id)}:{type_id}"]
+
+    single = " ".join([*piece(bos_id, 0), "$A:0", *piece(eos_id, 0)])
+    pair = " ".join([single, *piece(bos_id, 1), "$B:1", *piece(eos_id, 1)])
+    specials = [(backend.id_to_token(i), i) for i in (bos_id, eos_id) if i is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -148,14 +177,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_from_folder(path: str | os.PathLike) -> Tokenizer:
     """A Hugging Face folder's tokenizer.json, with bos/eos from tokenizer_config.json or config.json."""
-    path = Path(path)
+    path = run_path(path)
     file = path / "tokenizer.json"
     if not file.is_file():
         raise CheckpointError(
             f"{path}: tokenizer.json is missing; the folder needs a fast-tokenizer file "
             "(save it with AutoTokenizer.save_pretrained)."
         )
-    backend = HFTokenizer.from_file(str(file))
+    backend = HFTokenizer.from_str(file.read_text())
     tok_cfg = _read_json(path / "tokenizer_config.json")
     model_cfg = _read_json(path / "config.json")
 
@@ -190,7 +219,9 @@ def load_tokenizer(source: str | os.PathLike) -> Tokenizer:
 class Tokenizer:
     """A thin, stable interface over a `tokenizers.Tokenizer` (the data pipeline relies on these names).
 
-    ``encode`` adds no BOS/EOS, but special-token strings in the text (``<|im_start|>``) map to their ids.
+    ``encode`` adds no BOS/EOS, but special-token strings in the text (``<|im_start|>``) map to their ids: it encodes
+    a piece of text. ``encode_document`` encodes a whole document: ``document_start`` (the ids the backend's
+    post-processor puts first, Llama 3's ``<|begin_of_text|>``; none for SmolLM2 and Qwen), then ``encode``.
     """
 
     def __init__(
@@ -207,6 +238,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.chat_template = chat_template
+        self.document_start = leading_special_ids(backend)
         self._fingerprint = None
 
     @property
@@ -219,6 +251,10 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of ``text`` as a whole document (``data.protocol.encode_document``: ``document_start`` first)."""
+        return encode_document(self, text)
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -227,19 +263,22 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over the vocabulary (token, id pairs incl. added tokens) and the merges, in order.
+        """sha256 over the vocabulary (token, id pairs incl. added tokens), the merges in order, the pre-tokenizer and,
+        when there is one, ``document_start``.
 
         Two tokenizers with the same fingerprint produce the same ids, so a tokenised corpus cached under this
-        key can be reused safely.
+        key can be reused safely. A tokenizer that starts documents with nothing hashes exactly what it hashed
+        before documents had a start (SmolLM2's, Qwen's: their token stores keep their names).
         """
         if self._fingerprint is None:
             vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
             model = json.loads(self.backend.to_str()).get("model", {})
             merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
             pre = json.loads(self.backend.to_str()).get("pre_tokenizer")
-            blob = json.dumps(
-                {"vocab": vocab, "merges": merges, "pre_tokenizer": pre}, ensure_ascii=False, sort_keys=True
-            )
+            identity = {"vocab": vocab, "merges": merges, "pre_tokenizer": pre}
+            if self.document_start:
+                identity["document_start"] = list(self.document_start)
+            blob = json.dumps(identity, ensure_ascii=False, sort_keys=True)
             self._fingerprint = hashlib.sha256(blob.encode("utf-8")).hexdigest()
         return self._fingerprint
 

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hydrahead_jax.storage import run_path
+
 
 def plot_scores(
     scores: dict[str, np.ndarray],
@@ -65,8 +67,9 @@ def plot_scores(
         ax.tick_params(labelsize=6)
     fig.suptitle((title + "  (red: FA groups)").strip(), fontsize=10)
     fig.tight_layout()
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    path = run_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as out:  # a file object: matplotlib cannot open a gs:// name itself
+        fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
-    return path
+    return os.fspath(path)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from hydrahead_jax.hybrid.head_map import ALLOCATIONS, HeadMap, HeadMapError, fa_group_count, parse_ratio
+from hydrahead_jax.storage import run_path
 
 METHODS = ("retrieval", "ablation", "combined", "random", "layerwise")
 
@@ -520,22 +521,23 @@ def run_selection(
         budget=budget,
     )
     if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        head_map.save(os.path.join(out_dir, "head_map.json"))
+        out_dir = run_path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        head_map.save(out_dir / "head_map.json")
         if scores:
             from hydrahead_jax.selection.plot import plot_scores
 
             plot_scores(
                 scores,
                 fa_groups,
-                os.path.join(out_dir, "head_scores.png"),
+                out_dir / "head_scores.png",
                 head_scores=head_scores.get("retrieval"),
                 title=f"{model_cfg.name}: {sel.method}, {sel.ratio} {allocation}",
             )
         exact = "" if budget["exact"] else f" (HydraHead's budget is {budget['target_fa_groups']}: {budget['rule']})"
         log(
             f"[select] {head_map.num_fa_groups()} FA groups of {model_cfg.num_layers * model_cfg.num_kv_heads}"
-            f"{exact}; wrote {os.path.join(out_dir, 'head_map.json')}"
+            f"{exact}; wrote {out_dir / 'head_map.json'}"
         )
     return head_map
 

@@ -4,9 +4,14 @@ Layout of a stage directory (``workdir/stage1_align`` ...)::
 
     <step>/model      full student state (every Variable), sharded arrays
     <step>/opt        optax state of the trained parameters
-    <step>/data       grain iterator state (one JSON per process)
-    <step>/meta       {"step", "stage", "tokens_seen", "config_hash", "config"}
+    <step>/meta       {"step", "stage", "config_hash", "config", "data_position"}
     DONE              written after the final step's save has finished
+
+The data position is global (``training.data.DataPosition``: the global batches read), so a checkpoint resumes on
+any number of processes and any mesh: the arrays are restored onto the new run's shardings, and each process reads
+its own rows of the batches that follow. Older checkpoints hold grain's iterator state per process instead
+(``<step>/data/process_<i>-of-<n>.json``), each the same number of batches, read from there
+(``legacy_data_position``).
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save
 (SIGKILL included) leaves either the whole step or none of it. A step that still does not restore (a disk
@@ -14,9 +19,9 @@ error, a corrupted file) is reported, moved to ``corrupt/`` and the previous ste
 the step's own files moves it; a checkpoint of another structure, or a read that keeps failing, stops the run
 with nothing moved (see "restore errors" below).
 
-Multi-process runs: every process calls save and restore (each writes and reads its own shards, and its own
-iterator state under ``data``); Orbax writes the metadata once. The files of the workdir itself (run_config.json,
-DONE, a quarantined step's move) are written by process 0 alone, and every process waits at a barrier after each
+Multi-process runs: every process calls save and restore (each writes and reads its own shards, whatever the
+process count that wrote them); Orbax writes the metadata and the meta once. The files of the workdir itself
+(run_config.json, DONE, a quarantined step's move) are written by process 0 alone, and every process waits at a barrier after each
 such write, so none reads a state the others have not reached.
 """
 
@@ -29,18 +34,20 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
 from hydrahead_jax.config import ModelConfig
 from hydrahead_jax.run_config import STAGES, RunConfig
+from hydrahead_jax.storage import file_size, files_under, is_object_store, move, run_path
+from hydrahead_jax.training.data import DataPosition
 
 log = logging.getLogger(__name__)
 
@@ -87,26 +94,33 @@ class WorkdirError(RuntimeError):
 
 
 class WorkdirLock:
-    """One process owns a workdir at a time: an exclusive ``fcntl.flock`` on ``workdir/.lock``.
+    """One run owns a workdir at a time: ``workdir/.lock``, held by process 0 for all the processes of a run.
 
-    The kernel drops the lock when its process exits, however it exits (SIGKILL, OOM kill, a lost node on a
-    local disk), so a killed run never leaves its workdir stuck; the file's content (pid, host, start time) only
-    names the holder in the second process's error. The pipeline locks an existing workdir before any check (a
-    second run is refused at once) and creates a new one only after every check passed (a refused run leaves no
-    directory behind). On a multi-host run the coordinator process (index 0) holds
-    it for all. Network filesystems must support flock (NFSv4 and Lustre do; where they do not, flock may fail
-    with ENOLCK, reported with the path)."""
+    On a disk it is an exclusive ``fcntl.flock``: the kernel drops it when its process exits, however it exits
+    (SIGKILL, OOM kill, a lost node on a local disk), so a killed run never leaves its workdir stuck; the file's
+    content (pid, host, start time) only names the holder in the second run's error. Network filesystems must
+    support flock (NFSv4 and Lustre do; where they do not, flock fails with ENOLCK, reported with the path).
+
+    On an object store (gs://, s3://), which has no locks, it is a lease (``LeaseLock``). The pipeline locks an
+    existing workdir before any check (a second run is refused at once) and creates a new one only after every
+    check passed (a refused run leaves no directory behind)."""
 
     NAME = ".lock"
 
-    def __init__(self, workdir: Path, *, enabled: bool = True):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir, *, enabled: bool = True):
+        self.workdir = workdir
         self.enabled = enabled
         self._file = None
+        self._lease = LeaseLock(workdir / self.NAME) if is_object_store(workdir) else None
 
     def acquire(self) -> None:
         """Take the lock (a no-op when held already, or when not enabled) or raise WorkdirError naming the holder."""
-        if self._file is not None or not self.enabled:
+        if not self.enabled:
+            return
+        if self._lease is not None:
+            self._lease.acquire()
+            return
+        if self._file is not None:
             return
         path = self.workdir / self.NAME
         try:
@@ -141,6 +155,8 @@ class WorkdirLock:
         self._file = handle
 
     def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
         if self._file is not None:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
@@ -152,6 +168,103 @@ class WorkdirLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class LeaseLock:
+    """The workdir lock on an object store: a lease object renewed while the run lives.
+
+    The object holds {"holder": "pid P on host H", "host", "pid", "token", "expires" (unix time)}. ``acquire``
+    refuses a lease that another run holds and that has not expired; a lease whose holder is gone is taken over:
+    at once when its host is this host and its pid is not alive (a run killed here and started again), otherwise
+    once ``expires`` has passed (at most LEASE_S after the holder stopped renewing). A thread renews the lease every
+    LEASE_S / 4; ``release`` deletes it. The store offers no compare-and-set to fsspec, so taking the lease is a
+    write followed by a read back after SETTLE_S: of two runs started within that time, one or both see the
+    other's token and stop; neither trains on unguarded."""
+
+    LEASE_S = 120.0
+    SETTLE_S = 1.0
+
+    def __init__(self, path):
+        self.path = path
+        self._token = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError, TypeError):
+            return None
+
+    def _write(self) -> None:
+        lease = {
+            "holder": f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "token": self._token,
+            "expires": time.time() + self.LEASE_S,
+        }
+        self.path.write_text(json.dumps(lease))
+
+    def _held_by_another(self, lease: dict | None) -> bool:
+        if lease is None or lease.get("token") == self._token:
+            return False
+        if lease.get("host") == socket.gethostname() and not _pid_alive(int(lease.get("pid", -1))):
+            return False
+        return float(lease.get("expires", 0)) > time.time()
+
+    def acquire(self) -> None:
+        if self._token is not None:
+            return
+        lease = self._read()
+        if self._held_by_another(lease):
+            raise WorkdirError(_lease_message(self.path, lease))
+        self._token = uuid.uuid4().hex
+        self._write()
+        time.sleep(self.SETTLE_S)
+        lease = self._read()
+        if lease is None or lease.get("token") != self._token:
+            self._token = None
+            raise WorkdirError(_lease_message(self.path, lease or {"holder": "a run that started at the same time"}))
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, name="workdir-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.LEASE_S / 4):
+            try:
+                self._write()
+            except OSError as err:  # a store hiccup: the next renewal tries again, well before the lease expires
+                log.warning("renewing the workdir lease %s failed (%s)", self.path, err)
+
+    def release(self) -> None:
+        if self._token is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        if (self._read() or {}).get("token") == self._token:
+            self.path.unlink(missing_ok=True)
+        self._token = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return pid > 0
+
+
+def _lease_message(path, lease: dict) -> str:
+    expires = lease.get("expires")
+    until = f"; its lease expires at {time.strftime('%H:%M:%S', time.localtime(expires))}" if expires else ""
+    return (
+        f"workdir {path.parent} is in use by another run ({lease.get('holder', 'unknown')}{until}); wait for it to "
+        f"finish or stop it, or use another --workdir. A run that died on another host frees it when the lease "
+        f"expires; delete {path} only if you know that run is gone."
+    )
 
 
 def config_fingerprint(
@@ -221,7 +334,7 @@ def _claim_workdir(workdir: Path, path: Path, run: RunConfig, digest: str, core,
             aside.mkdir()
             for entry in workdir.iterdir():
                 if entry.name != WorkdirLock.NAME:  # this process's lock stays: no other run slips in meanwhile
-                    shutil.move(str(entry), str(aside / entry.name))
+                    move(entry, aside / entry.name)
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -256,7 +369,7 @@ def _continued_settings(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 def finished_step(directory: Path) -> int | None:
     """The final step of a finished stage (its DONE marker), or None while it is unfinished."""
-    marker = Path(directory) / DONE_MARKER
+    marker = run_path(directory) / DONE_MARKER
     if not marker.exists():
         return None
     try:
@@ -279,7 +392,7 @@ class StageCheckpointer:
         async_save: bool = True,
         stage: str | None = None,
     ):
-        self.directory = Path(directory).absolute()
+        self.directory = run_path(directory)
         self.stage = stage
         self.quarantined: list[tuple[int, str]] = []  # (step, what is damaged) of the steps set aside
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -295,9 +408,8 @@ class StageCheckpointer:
         self._open()
 
     def _open(self):
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=self._options, item_names=("model", "opt", "data", "meta")
-        )
+        # "data": the per-process iterator state of older checkpoints, read by legacy_data_position only.
+        self.manager = _Manager(self.directory, options=self._options, item_names=("model", "opt", "data", "meta"))
 
     # ---------------------------------------------------------------------------------------------- state
     @property
@@ -319,14 +431,22 @@ class StageCheckpointer:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
+    def latest_step(self) -> int | None:
+        """The newest step saved or being saved, from this manager's own record (no directory read): the same on
+        every process, where a listing could still miss a save in flight on one of them."""
+        return self.manager.latest_step()
+
     # ---------------------------------------------------------------------------------------------- save
-    def save(self, step: int, model_state, opt_state, iterator, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Start an (async) save of ``step``; returns False when the interval policy skips it."""
+    def save(
+        self, step: int, model_state, opt_state, position: DataPosition, meta: dict[str, Any], *, force: bool = False
+    ) -> bool:
+        """Start an (async) save of ``step``, its data ``position`` in the meta; returns False when the interval
+        policy skips it."""
+        meta = dict(meta, step=int(step), **{DataPosition.META_KEY: position.to_json()})
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(model_state),
             opt=ocp.args.StandardSave(opt_state),
-            data=grain.checkpoint.CheckpointSave(iterator),
-            meta=ocp.args.JsonSave(dict(meta, step=int(step))),
+            meta=ocp.args.JsonSave(meta),
         )
         return self.manager.save(int(step), args=args, force=force)
 
@@ -365,31 +485,48 @@ class StageCheckpointer:
         self.manager.close()
         if is_primary():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), str(target))
+            move(self.directory / str(step), target)
         sync_processes("quarantine")
         self._open()
 
-    def _restore(self, step: int, targets: dict[str, Any], iterator=None):
-        """``manager.restore`` of the items in ``targets`` (abstract trees; "data" restores ``iterator`` in place,
-        "meta" the JSON), sorted by what a failure is: see ``restore_step``."""
+    def _restore(self, step: int, targets: dict[str, Any], *, batch_size: int | None = None):
+        """``manager.restore`` of the items in ``targets`` (abstract trees) and "meta" (the JSON), and given the
+        run's global ``batch_size``, the step's DataPosition under "position"; sorted by what a failure is: see
+        ``restore_step``."""
+        step_dir = self.directory / str(step)
 
-        def args():
+        def restore():
             items = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
-            if iterator is not None:
-                items["data"] = grain.checkpoint.CheckpointRestore(iterator)
-            items["meta"] = ocp.args.JsonRestore()
-            return ocp.args.Composite(**items)
+            out = dict(self.manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore())))
+            if batch_size is not None:
+                out["position"] = self._position(step_dir, out["meta"], batch_size)
+            return out
 
         def check():
-            step_dir = self.directory / str(step)
-            items = list(targets) + (["data"] if iterator is not None else []) + ["meta"]
-            check_step_files(step_dir, items, pytree_items=tuple(targets))
+            check_step_files(step_dir, list(targets) + ["meta"], pytree_items=tuple(targets))
             stored = {name: stored_metadata(step_dir / name) for name in targets}
             check_matches(stored, targets, where=f"checkpoint step {step} in {self.directory}")
 
-        return restore_step(
-            self.directory / str(step), lambda: self.manager.restore(step, args=args()), check=check, hint=self._hint
-        )
+        return restore_step(step_dir, restore, check=check, hint=self._hint)
+
+    def _position(self, step_dir: Path, meta: dict[str, Any], batch_size: int) -> DataPosition:
+        """The data position of the checkpoint in ``step_dir``: its meta's, or (written before positions were
+        global) the batches its per-process iterator states read, of this run's ``batch_size`` (the workdir's config
+        check refused another). CheckpointMismatchError where it is not a whole number of this run's batches."""
+        try:
+            position = DataPosition.from_meta(meta)
+        except ValueError as err:
+            raise CheckpointMismatchError(f"{step_dir}/meta: {err}.") from None
+        if position is None:
+            return DataPosition(legacy_data_position(step_dir / "data"), batch_size)
+        if position.batch_size != batch_size:
+            key = next((s.config_key for s in STAGES if s.name == self.stage), "<stage>")
+            raise CheckpointMismatchError(
+                f"{step_dir} read global batches of {position.batch_size} rows and this run's are {batch_size}: "
+                f"its data position is no whole batch of this run (resume with --config.{key}.batch_size="
+                f"{position.batch_size})."
+            )
+        return position
 
     @property
     def _hint(self) -> str:
@@ -399,20 +536,22 @@ class StageCheckpointer:
             "train it from step 0."
         )
 
-    def restore_latest(self, abstract_model, abstract_opt, iterator):
-        """(step, model_state, opt_state, meta) of the newest step that restores, or None when every step is
-        damaged (each then in ``corrupt/``, listed in ``self.quarantined``) or there is none.
+    def restore_latest(self, abstract_model, abstract_opt, batch_size: int):
+        """(step, model_state, opt_state, data position) of the newest step that restores, or None when every
+        step is damaged (each then in ``corrupt/``, listed in ``self.quarantined``) or there is none.
+        ``batch_size``: the run's global batch (a position of another one is refused).
 
-        Restores the grain iterator in place. Only a step whose own files are damaged is set aside; a checkpoint
-        of another structure (CheckpointMismatchError) or a read that keeps failing (CheckpointReadError) stops
-        the run with nothing moved, and any other error propagates as it is."""
+        The arrays are placed by the targets' shardings, whatever mesh and process count wrote them. Only a step
+        whose own files are damaged is set aside; a checkpoint of another structure or without a data position
+        (CheckpointMismatchError) or a read that keeps failing (CheckpointReadError) stops the run with nothing
+        moved, and any other error propagates as it is."""
         for step in reversed(self.steps()):
             try:
-                out = self._restore(step, {"model": abstract_model, "opt": abstract_opt}, iterator)
+                out = self._restore(step, {"model": abstract_model, "opt": abstract_opt}, batch_size=batch_size)
             except DamagedCheckpointError as damage:
                 self._quarantine(step, str(damage))
                 continue
-            return step, out["model"], out["opt"], out["meta"]
+            return step, out["model"], out["opt"], out["position"]
         return None
 
     def restore_model(self, abstract_model):
@@ -431,6 +570,39 @@ class StageCheckpointer:
             self.clear_done()
             return None
         return out["model"]
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's CheckpointManager without its own look at the preemption sync point: the trainer asks it once per
+    step with a count of its own (``trainer.PreemptionWatch``) and saves on it with ``force``. Orbax asks with the
+    step it saves, which starts again at every stage and, asked between the trainer's calls, would hand the
+    coordination service another count than the one every process's loop goes by."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
+_LEGACY_STATE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def legacy_data_position(data_dir: Path) -> int:
+    """The global batches read by a checkpoint written before positions were global: its ``data`` folder holds
+    grain's iterator state per process (``process_<i>-of-<n>.json``: ``{"next_index": batches}``), and every
+    process reads its rows of the same global batches, so every file holds the same number. DamagedCheckpointError
+    when the folder or a process's file is missing; CheckpointMismatchError when the files name no one number."""
+    data_dir = run_path(data_dir)
+    found = sorted(data_dir.glob("process_*-of-*.json")) if data_dir.is_dir() else []
+    counts = {int(m[2]) for p in found if (m := _LEGACY_STATE.fullmatch(p.name))}
+    if not counts:
+        raise DamagedCheckpointError(f"{data_dir} is missing (and the meta holds no data position)")
+    files = [data_dir / f"process_{i}-of-{n}.json" for n in counts for i in range(n)]
+    missing = next((p for p in files if not p.is_file()), None)
+    if missing is not None:
+        raise DamagedCheckpointError(f"{missing} is missing")
+    batches = {p.name: json.loads(p.read_text()).get("next_index") for p in files}
+    if len(set(batches.values())) != 1 or not isinstance(batches[files[0].name], int):
+        raise CheckpointMismatchError(f"{data_dir} holds iterator states of no one data position ({batches}).")
+    return batches[files[0].name]
 
 
 # ------------------------------------------------------------------------------------------------ restore errors
@@ -485,7 +657,7 @@ def _is_json_file(path: Path) -> bool:
 
 def _json_damage(directory: Path) -> str | None:
     """The first JSON file of a checkpoint directory that does not parse, or None."""
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and _is_json_file(p)):
+    for path in (p for p in files_under(directory) if _is_json_file(p)):
         try:
             json.loads(path.read_bytes())
         except (ValueError, UnicodeDecodeError) as err:
@@ -503,24 +675,25 @@ def _tensorstore_damage(message: str, directory: Path) -> str | None:
     named = [m for m in _quoted_paths(message) if m.startswith(root)]
     if not named:
         return None
-    files = [m for m in named if Path(m).is_file()]
+    files = [m for m in named if run_path(m).is_file()]
     # "Requested byte range [a, b) is not valid for value of size N": the data file of N bytes is the short one.
     size = message.rsplit("value of size ", 1)[-1].split()[0] if "value of size " in message else None
     if size is not None and size.isdigit():
-        files += [str(p) for p in Path(named[0]).rglob("*") if p.is_file() and p.stat().st_size == int(size)]
+        first = run_path(named[0])
+        files += [str(p) for p in files_under(first) if file_size(p) == int(size)] if first.is_dir() else []
     where = ", ".join(dict.fromkeys(files)) if files else named[-1]
     return f"{where}: {_one_line(message)}"
 
 
 def _quoted_paths(message: str) -> list[str]:
     parts = message.split('"')
-    return [parts[i] for i in range(1, len(parts), 2) if parts[i].startswith("/")]
+    return [parts[i] for i in range(1, len(parts), 2) if parts[i].startswith("/") or is_object_store(parts[i])]
 
 
 def damage_in(error: BaseException, directory: Path) -> str | None:
     """What is damaged in the checkpoint ``directory`` (naming the file), when ``error`` or the files themselves
     show it; None when neither does (then the error is not evidence of damage)."""
-    directory = Path(directory)
+    directory = run_path(directory)
     if not directory.is_dir():
         return f"{directory} is missing"
     for err in _chain(error):
@@ -533,7 +706,7 @@ def damage_in(error: BaseException, directory: Path) -> str | None:
         if isinstance(err, (OSError, ValueError, KeyError)):  # "File …/meta/metadata not found.", grain's, ENOENT
             named = [str(err.filename)] if getattr(err, "filename", None) else []
             named += [w.strip("'\".,:;()[]") for w in str(err).split()]
-            missing = [n for n in named if n.startswith(f"{directory}/") and not Path(n).exists()]
+            missing = [n for n in named if n.startswith(f"{directory}/") and not run_path(n).exists()]
             if missing:
                 return f"{missing[0]} is missing"
         found = _tensorstore_damage(str(err), directory)
@@ -560,7 +733,7 @@ PYTREE_FILES = ("_METADATA", "manifest.ocdbt")
 def check_step_files(step_dir: Path, items: list[str], pytree_items: tuple[str, ...] = ()) -> None:
     """DamagedCheckpointError when a saved item's folder is missing, a pytree item lacks one of PYTREE_FILES,
     or one of the step's JSON files does not parse."""
-    step_dir = Path(step_dir)
+    step_dir = run_path(step_dir)
     for item in items:
         if not (step_dir / item).is_dir():
             raise DamagedCheckpointError(f"{step_dir / item} is missing")

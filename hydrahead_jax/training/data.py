@@ -1,11 +1,15 @@
 """The batch iterator of a stage: the corpus pipeline (``hydrahead_jax.data``) or the seeded copy source.
 
-Both are grain ``DatasetIterator``s, so their position is saved in every checkpoint and a resumed run reads
+Both are random access over the stage's global row sequence, so a stage's data position is one number, the global
+batches read (``DataPosition``), saved in every checkpoint: a resumed run, on any number of processes, reads
 exactly the batches an uninterrupted one would. Batches: input_ids/targets [B,T] int32, loss_mask [B,T]
 float32, segment_ids/positions [B,T] int32 (B = this process's share of the global batch).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
 
 import grain
 import numpy as np
@@ -34,8 +38,10 @@ def make_stage_iterator(
     tokenizer=None,
     store_path=None,
     batch_rows=None,
+    start_batch: int = 0,
 ) -> grain.DatasetIterator:
-    """Iterator of this process's share of global batches of ``batch_size`` rows for one stage: the rows
+    """Iterator of this process's share of global batches of ``batch_size`` rows for one stage, from global batch
+    ``start_batch`` on (a resumed stage's ``DataPosition.batches``): the rows
     ``batch_rows`` of each global batch (those its devices hold, ``training.sharding.process_batch_rows``;
     ``range(batch_size)``: the whole batch on every process), by default rows p, p+P, ... of process p of P.
     ``synthetic_rate`` > 0 mixes that fraction of synthetic retrieval rows in, with loss on their answer tokens or on
@@ -43,7 +49,7 @@ def make_stage_iterator(
     if data.source == "copy":
         rows = resolve_batch_rows(batch_size, batch_rows, None, None)
         batches = select_batch_rows(
-            CopyRows(vocab_size, seq_len, seed=seed, repeats=data.copy_repeats), batch_size, rows
+            CopyRows(vocab_size, seq_len, seed=seed, repeats=data.copy_repeats), batch_size, rows, start_batch
         )
         return batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)).__iter__()
     if store_path is None:
@@ -58,9 +64,46 @@ def make_stage_iterator(
         synthetic_loss=synthetic_loss,
         tokenizer=tokenizer if synthetic_rate > 0 else None,
         batch_rows=batch_rows,
+        start_batch=start_batch,
         num_threads=data.num_threads,
         prefetch_buffer_size=data.prefetch,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """How far a stage has read its data: ``batches`` whole global batches of ``batch_size`` rows, i.e. rows
+    0 … batches·batch_size − 1 of the stage's global row sequence.
+
+    Global, not per process: each process reads its own rows of every global batch (``batch_rows``), so one
+    position continues the same global rows on any number of processes and any mesh (``make_stage_iterator``'s
+    ``start_batch``). A checkpoint's meta holds it under ``META_KEY``."""
+
+    batches: int
+    batch_size: int
+    META_KEY: ClassVar[str] = "data_position"
+
+    def to_json(self) -> dict[str, int]:
+        return {"global_batches": int(self.batches), "global_batch_size": int(self.batch_size)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> DataPosition | None:
+        """The position a checkpoint's meta holds; None for a checkpoint written before positions were global
+        (its iterator state is per process: ``checkpoint.legacy_data_position``). ValueError when it is garbled."""
+        stored = meta.get(cls.META_KEY)
+        if stored is None:
+            return None
+        try:
+            position = cls(int(stored["global_batches"]), int(stored["global_batch_size"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"meta[{cls.META_KEY!r}] = {stored!r} is not a data position ({err!r})") from None
+        if position.batches < 0 or position.batch_size < 1:
+            raise ValueError(f"meta[{cls.META_KEY!r}] = {stored!r} is not a data position")
+        return position
+
+    def advanced(self, batches: int) -> DataPosition:
+        """The position after ``batches`` more global batches."""
+        return dataclasses.replace(self, batches=self.batches + int(batches))
 
 
 def make_heldout_batch(

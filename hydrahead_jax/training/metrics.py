@@ -11,18 +11,19 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 from tqdm import tqdm
+
+from hydrahead_jax.storage import RunPath, is_object_store, run_path, write_text_atomic
 
 
 class NonFiniteLossError(RuntimeError):
     """A NaN/inf loss or gradient norm; the stage stops and its last good checkpoint is kept."""
 
 
-def _drop_rows_after(path: Path, stage: str, step: int) -> None:
+def _drop_rows_after(path, stage: str, step: int) -> None:
     """Remove the rows of ``stage`` past ``step`` (logged by a run killed before its next checkpoint; the resumed
     run logs those steps again; step −1: all of them, a stage that starts over logs its step-0 held-out row
     again), so metrics.jsonl keeps one row per (step, split). Rewritten atomically."""
@@ -39,9 +40,39 @@ def _drop_rows_after(path: Path, stage: str, step: int) -> None:
         if not stale:
             kept.append(line)
     if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(kept))
+
+
+class JsonlAppender:
+    """Appends lines to a JSON-lines file: a local file line-buffered as they come; an object, which cannot be
+    appended to, rewritten whole with every line so far at most every ``flush_every_s`` and at ``flush``/``close``
+    (a run killed in between loses those rows of the log only; the resumed stage logs its steps again)."""
+
+    def __init__(self, path, *, flush_every_s: float = 30.0):
+        self._path, self._every = path, flush_every_s
+        self._local = not is_object_store(path)
+        self._lines = None if self._local else (path.read_text().splitlines(keepends=True) if path.exists() else [])
+        self._file = open(path, "a", buffering=1) if self._local else None
+        self._flushed = time.monotonic()
+
+    def write(self, line: str) -> None:
+        if self._local:
+            self._file.write(line)
+            return
+        self._lines.append(line)
+        if time.monotonic() - self._flushed >= self._every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._local:
+            self._path.write_text("".join(self._lines))
+            self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        if self._local:
+            self._file.close()
+        else:
+            self.flush()
 
 
 def _summary_writer_class():
@@ -65,7 +96,7 @@ class StageLogger:
 
     def __init__(
         self,
-        workdir: Path,
+        workdir: RunPath,
         stage: str,
         *,
         total_steps: int,
@@ -73,11 +104,11 @@ class StageLogger:
         tokens_per_step: int,
         tensorboard: bool = True,
         progress: bool = True,
-        heldout_file: Path | None = None,
+        heldout_file: RunPath | None = None,
         heldout_shape: tuple[int, int] | None = None,
     ):
         self.stage, self.tokens_per_step = stage, tokens_per_step
-        path = Path(workdir) / "metrics.jsonl"
+        path = run_path(workdir) / "metrics.jsonl"
         self._jsonl = self._tb = None
         # heldout.json: the held-out batch's shape (rows, seq_len) and the first and last held-out rows of the stage.
         self._heldout_file, self._heldout_shape = heldout_file, heldout_shape
@@ -85,11 +116,11 @@ class StageLogger:
         primary = jax.process_index() == 0  # every process computes the same metrics; process 0 writes them
         if primary:
             _drop_rows_after(path, stage, start_step if start_step > 0 else -1)  # step 0 is logged again
-            self._jsonl = open(path, "a", buffering=1)
+            self._jsonl = JsonlAppender(path)
             if start_step > 0 and heldout_file is not None and heldout_file.exists():
                 self._heldout_first = json.loads(heldout_file.read_text()).get("first")  # logged before the resume
         if tensorboard and primary:
-            self._tb = _summary_writer_class()(str(Path(workdir) / "tensorboard" / stage), flush_secs=10)
+            self._tb = _summary_writer_class()(os.fspath(run_path(workdir) / "tensorboard" / stage), flush_secs=10)
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
@@ -138,9 +169,8 @@ class StageLogger:
                 rows, seq_len = self._heldout_shape or (None, None)
                 summary = {"stage": self.stage, "rows": rows, "seq_len": seq_len}
                 summary.update(first=self._heldout_first, last=record)
-                tmp = self._heldout_file.with_name(self._heldout_file.name + ".tmp")
-                tmp.write_text(json.dumps(summary, indent=2) + "\n")
-                os.replace(tmp, self._heldout_file)
+                write_text_atomic(self._heldout_file, json.dumps(summary, indent=2) + "\n")
+                self._jsonl.flush()  # a held-out point is a flush point of an object-store log
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(float(v)):
@@ -161,6 +191,13 @@ class StageLogger:
             + ", ".join(parts)
         )
 
+    def flush(self) -> None:
+        """Write out what is logged so far (at a checkpoint: a resumed stage finds every row up to it)."""
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self):
         self._bar.close()
         if self._jsonl is not None:
@@ -176,7 +213,7 @@ def all_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(v) for k, v in metrics.items() if k in GUARDED_METRICS)
 
 
-def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: Path):
+def check_finite(step: int, stage: str, metrics: dict[str, float], last_good_step: int | None, ckpt_dir: RunPath):
     """Raise NonFiniteLossError naming the values, the step and the checkpoint a rerun resumes from."""
     bad = {k: v for k, v in metrics.items() if k in GUARDED_METRICS and not math.isfinite(v)}
     if bad:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import jax
 from flax import nnx
@@ -33,12 +32,15 @@ from hydrahead_jax.run_config import (
 )
 from hydrahead_jax.selection import SelectionError
 from hydrahead_jax.selection.select import validate_config
+from hydrahead_jax.storage import RunPath, move, run_path
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import (
     StageCheckpointer,
     WorkdirLock,
     check_workdir_config,
     finished_step,
+    is_primary,
+    sync_processes,
 )
 from hydrahead_jax.training.data import HELDOUT_SEED_OFFSET, make_heldout_batch, make_stage_iterator, prepare_store
 from hydrahead_jax.training.errors import StageOrderError
@@ -134,7 +136,7 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
                 "them, or enwiki>."
             ) from None
     if sel.method == "given":
-        if Path(sel.head_map_path).is_dir():
+        if run_path(sel.head_map_path).is_dir():
             raise ConfigError(
                 f"config.selection.head_map_path={sel.head_map_path!r} is a directory; name its head_map.json file."
             )
@@ -159,15 +161,27 @@ def student_config(run: RunConfig, cfg: ModelConfig, stage: Stage) -> ModelConfi
     return cfg
 
 
-def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: Path) -> HeadMap:
+def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir: RunPath) -> HeadMap:
     """Stage 0: the head map (written to workdir/head_map.json; reused when already there).
 
-    ``given`` loads ``selection.head_map_path``; ``all_fa`` / ``all_la`` are the trivial maps; the probe methods
-    (retrieval, ablation, combined) and the baselines (random, layerwise) run ``run_selection`` on the teacher.
+    Process 0 alone makes and writes it; every process then builds its student from that one file, so the hosts
+    of a run cannot disagree on the map. ``given`` loads ``selection.head_map_path``; ``all_fa`` / ``all_la`` are
+    the trivial maps; the probe methods (retrieval, ablation, combined) and the baselines (random, layerwise) run
+    ``run_selection`` on the teacher.
     """
     out = workdir / "head_map.json"
-    if out.exists():
-        return HeadMap.load(out, cfg)
+    try:
+        if is_primary() and not out.exists():
+            _new_head_map(sel, teacher, tokenizer, cfg, workdir).save(out)
+    finally:
+        sync_processes("head map")  # the others read the map once process 0 has written it (or failed)
+    if not out.exists():
+        raise SelectionError(f"process 0 wrote no head map to {out} (its error says why and how to fix it).")
+    return HeadMap.load(out, cfg)
+
+
+def _new_head_map(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig, workdir) -> HeadMap:
+    """The head map that ``sel`` asks for, validated against ``cfg`` and announced."""
     if sel.method == "given":
         head_map = HeadMap.load(sel.head_map_path, cfg)
     elif sel.method == "all_fa":
@@ -179,10 +193,9 @@ def select_heads(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfig
 
         head_map = run_selection(teacher, tokenizer, sel.settings, workdir / "selection")
     head_map.validate(cfg)
-    head_map.save(out)
     print(
         f"[select] head map ({head_map.method}): {head_map.num_fa_groups()} FA groups of "
-        f"{cfg.num_layers * cfg.num_kv_heads}, written to {out}",
+        f"{cfg.num_layers * cfg.num_kv_heads}, written to {workdir / 'head_map.json'}",
         flush=True,
     )
     return head_map
@@ -217,13 +230,13 @@ def initial_student(run: RunConfig, teacher, tokenizer, head_map: HeadMap, store
 # ------------------------------------------------------------------------------------------------ pipeline
 def run_pipeline(
     run: RunConfig,
-    workdir: str | Path,
+    workdir: str | RunPath,
     *,
     only_stage: str | None = None,
     until_stage: str | None = None,
     force_new: bool = False,
     restart_stage: str | None = None,
-) -> Path | None:
+) -> RunPath | None:
     """Run the requested stages; returns workdir/final when the last stage finished (and was exported).
 
     ``restart_stage`` (a training stage's name) moves that stage's checkpoints aside (``<dir>.restarted-<time>``)
@@ -234,7 +247,7 @@ def run_pipeline(
     check runs before any work: the RunConfig validated itself at the edge; here the stage range, the mesh
     against the devices, then (once the teacher is loaded) the tokenizer, selection settings and head map
     against it, and the workdir's config fingerprint."""
-    workdir = Path(workdir).absolute()
+    workdir = run_path(workdir, what="--workdir")
     stages = stage_range(only_stage, until_stage)
     check_restart_stage(restart_stage, stages)
     lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)  # one process locks for a multi-host run
@@ -247,8 +260,13 @@ def run_pipeline(
 
 
 def _run_locked(
-    run: RunConfig, workdir: Path, stages: list[str], force_new: bool, lock: WorkdirLock, restart_stage: str | None
-) -> Path | None:
+    run: RunConfig,
+    workdir: RunPath,
+    stages: list[str],
+    force_new: bool,
+    lock: WorkdirLock,
+    restart_stage: str | None,
+) -> RunPath | None:
     run.mesh.check_devices(jax.device_count())
     mesh = shd.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor, sequence=run.mesh.sequence)
     check_batch_sizes(run, mesh)
@@ -263,7 +281,7 @@ def _run_locked(
     # identified by its data's content, not by the path the corpus is mounted at.
     store = None if run.data.source == "copy" else prepare_store(run.data, tokenizer)
     digest = check_workdir_config(
-        workdir, run, cfg, force_new=force_new, data_digest=None if store is None else Path(store).name
+        workdir, run, cfg, force_new=force_new, data_digest=None if store is None else run_path(store).name
     )
     resolved = run.to_dict()
     # The held-out batches are read (whole, by every process: see trainer.HeldoutEval) before any work, so a
@@ -299,7 +317,7 @@ def _run_locked(
         scfg = run.stage(stage)
         # A process reads the rows its devices hold (put_batch assembles the global batch from them).
         rows = shd.process_batch_rows(shd.batch_sharding(mesh, 2), scfg.batch_size)
-        return lambda: make_stage_iterator(
+        return lambda start_batch: make_stage_iterator(
             run.data,
             seq_len=scfg.seq_len,
             batch_size=scfg.batch_size,
@@ -310,6 +328,7 @@ def _run_locked(
             tokenizer=tokenizer,
             store_path=store,
             batch_rows=rows,
+            start_batch=start_batch,
         )
 
     def initial_first_stage():
@@ -328,18 +347,10 @@ def _run_locked(
         stage_dir = workdir / stage.directory
         final_step = finished_step(stage_dir)
         if stage.name == restart_stage and stage_dir.exists():
-            aside = stage_dir.with_name(f"{stage_dir.name}.restarted-{time.strftime('%Y%m%d-%H%M%S')}")
-            print(
-                f"[{stage.directory}] --restart_stage: training it from step 0 (old run moved to {aside})", flush=True
-            )
-            stage_dir.rename(aside)
+            set_aside(stage_dir, "restarted", "--restart_stage: training it from step 0")
             extended = True  # the stages after it start from its new final state
         elif extended and stage_dir.exists():
-            aside = stage_dir.with_name(f"{stage_dir.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
-            print(
-                f"[{stage.directory}] an earlier stage trained on: rerunning it (old run moved to {aside})", flush=True
-            )
-            stage_dir.rename(aside)
+            set_aside(stage_dir, "superseded", "an earlier stage trained on: rerunning it")
         elif final_step is not None and final_step < scfg.total_steps:
             extended = True
         spec = StageSpec(
@@ -384,7 +395,18 @@ def _run_locked(
     return None
 
 
-def final_state_before(workdir: Path, index: int, abstract_student, mesh):
+def set_aside(stage_dir, why: str, note: str) -> None:
+    """Move a stage's folder to ``<dir>.<why>-<time>``: process 0 alone, between two barriers, so every process
+    has decided on the folder before it moves and sees it gone after."""
+    sync_processes(f"before moving {stage_dir.name}")
+    if is_primary():
+        aside = stage_dir.with_name(f"{stage_dir.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+        print(f"[{stage_dir.name}] {note} (old run moved to {aside})", flush=True)
+        move(stage_dir, aside)
+    sync_processes(f"moved {stage_dir.name}")
+
+
+def final_state_before(workdir: RunPath, index: int, abstract_student, mesh):
     """Final full state of the stage before STAGES[index] (which must have finished)."""
     stage, prev = STAGES[index], STAGES[index - 1]
     if finished_step(workdir / prev.directory) is None:  # checked before a CheckpointManager (and its threads) exists

@@ -7,6 +7,7 @@ graphdef; inside a stage it is split into the trained Params and the rest by the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import signal
@@ -19,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from hydrahead_jax.run_config import LoggingConfig, Stage, StageConfig
 from hydrahead_jax.training import memory
 from hydrahead_jax.training import sharding as shd
 from hydrahead_jax.training.checkpoint import StageCheckpointer, finished_step
+from hydrahead_jax.training.data import DataPosition
 from hydrahead_jax.training.metrics import StageLogger, all_finite, check_finite
 from hydrahead_jax.training.steps import (
     abstract_with_shardings,
@@ -49,7 +52,7 @@ class StageSpec:
     config: StageConfig
     directory: Path
     trainable: Any  # nnx filter of the trained parameters
-    make_iterator: Callable[[], Any]  # -> grain DatasetIterator of global batches
+    make_iterator: Callable[[int], Any]  # global batch i -> grain DatasetIterator of global batches from i on
     meta: dict[str, Any]  # config hash and resolved config, stored in every checkpoint
     mask_documents: bool = True  # config.data.mask_documents: packed documents run each on its own
     # The stage's fixed held-out batch, whole ([rows, seq_len] per feature, the same on every process:
@@ -62,20 +65,44 @@ class Preempted(RuntimeError):
     """SIGTERM stopped a stage after its last finished step was checkpointed; train.py exits with status 143."""
 
 
-class PreemptionWatch:
-    """Turns SIGTERM into a flag the train loop reads between steps (a step in flight finishes first).
+# Every call of the preemption sync point in this process, counted across stages. The coordination service agrees
+# on a count (one past the furthest process's); every process runs the same stages and steps, asking once per step,
+# so one count is the same step on every process.
+_SYNC_POINTS = itertools.count()
 
-    Installed only in the main thread (signal handlers can be set nowhere else); ``close`` restores the previous
-    handler, so SIGTERM outside a train loop keeps its default effect."""
+
+class PreemptionWatch:
+    """Whether to stop for a preemption notice (SIGTERM), asked before each step (a step in flight finishes first).
+
+    One process: a SIGTERM handler sets a flag. It is installed in the main thread only (signal handlers can be set
+    nowhere else); ``close`` restores the previous handler, so SIGTERM outside a train loop keeps its default effect.
+
+    Several processes: all must stop after the same step and save it together (a save is collective), whichever of
+    them got the notice, or one waits in a save the others never start. ``jax.distributed.initialize`` starts the
+    coordination service's preemption notifier, which owns SIGTERM from then on and passes a notice to every
+    process; ``multihost_utils.reached_preemption_sync_point`` then answers True on all of them at the same count
+    (Orbax's and MaxText's mechanism). No Python handler is installed (it would replace the notifier's); a notice
+    outside a train loop stops the next one before its first step (after it, for a notice before the run's first)."""
 
     def __init__(self):
+        self.coordinated = jax.process_count() > 1
         self.requested = False
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        if not self.coordinated and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def stop_now(self) -> bool:
+        """Whether to checkpoint the last finished step and stop; every process gets the same answer (each asks
+        once per step)."""
+        if not self.coordinated:
+            return self.requested
+        try:
+            return multihost_utils.reached_preemption_sync_point(next(_SYNC_POINTS))
+        except RuntimeError:  # jax_enable_preemption_service=False: no notifier, SIGTERM ends the process (Orbax's way)
+            return False
 
     def close(self):
         if self._previous is not None:
@@ -283,13 +310,10 @@ def _train(
         raise ValueError(f"stage {key}: the 'train' filter selects no parameters (config.{key}.train={scfg.train!r}).")
     abs_opt = layout.abstract_state["opt_state"]
 
-    iterator = spec.make_iterator()
     had_checkpoints = bool(ckpt.steps())
-    restored = ckpt.restore_latest(abs_full, abs_opt, iterator)
+    restored = ckpt.restore_latest(abs_full, abs_opt, scfg.batch_size)
     if restored is None and had_checkpoints:
-        # Only damage of every step's own files gets here (any other failure stops the run, nothing moved). A
-        # failed restore may have moved the iterator part-way: start over on a fresh one (a fresh run's data).
-        iterator = spec.make_iterator()
+        # Only damage of every step's own files gets here (any other failure stops the run, nothing moved).
         damaged = "; ".join(f"step {step}: {what}" for step, what in ckpt.quarantined)
         print(
             f"WARNING: [{spec.directory.name}] every checkpoint of this stage is damaged ({damaged}; moved to "
@@ -298,11 +322,11 @@ def _train(
         )
     resumed = restored is not None
     if resumed:
-        start, full, opt_state, meta = restored
+        start, full, opt_state, position = restored
         print(f"[{spec.directory.name}] resuming from step {start}/{steps}", flush=True)
         params, frozen = _split(student_graphdef, full, spec.trainable, layout)
     else:
-        start = 0
+        start, position = 0, DataPosition(0, scfg.batch_size)  # a fresh run's data, from its first batch
         full = jax.device_put(initial_student(), full_shardings)
         params, frozen = _split(student_graphdef, full, spec.trainable, layout)
         opt_state = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)
@@ -335,6 +359,10 @@ def _train(
     jstep = jit_train_step(step_fn, layout, teacher_sh)
     # The schedule's value at every step, on the host: each step gets its own as an argument (make_train_step).
     learning_rates = np.asarray(schedule(np.arange(steps)), np.float32)
+    iterator = spec.make_iterator(position.batches)  # one global batch per step from here on
+
+    def position_at(step: int) -> DataPosition:
+        return position.advanced(step - start)
 
     heldout = None
     if spec.heldout is not None and scfg.heldout_rows > 0:
@@ -398,18 +426,19 @@ def _train(
         # state before any update) is evaluated once the train step has compiled, so that the held-out step,
         # compiling in the background since HeldoutEval was built, compiles meanwhile.
         for step in range(start, steps):
-            if preemption.requested:
-                # SIGTERM (a preempted TPU VM, SLURM's notice): checkpoint the last finished step and stop.
+            if preemption.stop_now():
+                # SIGTERM (a preempted TPU VM, SLURM's notice; on several processes, to any of them): checkpoint the
+                # last finished step and stop, every process at the same step.
                 if pending is not None:
                     metrics, pending = report(*pending), None
-                kept = ckpt.steps()
-                if step > 0 and (not kept or kept[-1] != step) and bool(params_finite(state["params"])):
-                    ckpt.save(step, _full_state(gd, state), state["opt_state"], iterator, spec.meta, force=True)
+                if step > 0 and ckpt.latest_step() != step and bool(params_finite(state["params"])):
+                    full = _full_state(gd, state)
+                    ckpt.save(step, full, state["opt_state"], position_at(step), spec.meta, force=True)
                 ckpt.wait()
-                kept = ckpt.steps()
+                kept = ckpt.latest_step()
                 raise Preempted(
                     f"stage {key} stopped by SIGTERM after step {step}/{steps}; the checkpoint of step "
-                    f"{kept[-1] if kept else '(none)'} is in {ckpt.directory}. Rerun the same command to resume."
+                    f"{'(none)' if kept is None else kept} is in {ckpt.directory}. Rerun the same command to resume."
                 )
             batch = shd.put_batch(next(iterator), batch_sh)
             learning_rate = jax.device_put(learning_rates[step], state_sh["step"])  # replicated, as the step count
@@ -433,7 +462,8 @@ def _train(
                 if not bool(params_finite(state["params"])):
                     check_finite(done, key, {"params": math.nan}, last_good, ckpt.directory)
                 full = _full_state(gd, state)
-                if ckpt.save(done, full, state["opt_state"], iterator, spec.meta, force=done == steps):
+                if ckpt.save(done, full, state["opt_state"], position_at(done), spec.meta, force=done == steps):
+                    logger.flush()
                     unconfirmed = done
                     if done == steps:
                         last_good = done
