@@ -141,6 +141,7 @@ def _legacy_save(self, step, model_state, opt_state, position, meta, *, force=Fa
     return self.manager.save(int(step), args=args, force=force)
 
 
+@pytest.mark.slow  # a stage resumed through the trainer: the end-to-end tier
 def test_an_older_checkpoint_with_per_process_iterator_state_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
     workdir, stage = tmp_path / "run", tmp_path / "run" / "stage2_distil"
     with monkeypatch.context() as patch:

@@ -129,6 +129,7 @@ def test_greedy_continuation_names_paris(teacher, batch):
     assert "Paris" in tok.decode([first])
 
 
+@pytest.mark.slow  # eval.py's suite on the real teacher: the end-to-end tier
 def test_the_teacher_answers_needles_it_is_known_to_answer(tmp_path):
     """The evaluation's NIAH scoring on an outcome known in advance: the real teacher answers every needle at 512
     tokens (100 of 100 prompts in the recipe comparison, bench/RESULTS.md), so here every prompt is correct and the
