@@ -12,7 +12,11 @@ set -euo pipefail
 # subprocess.
 PEAK_MIB=6239
 
-cores=$(nproc)
+cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+if [ ! -r /proc/meminfo ]; then  # not Linux: no MemAvailable to go by
+  echo "$cores"
+  exit 0
+fi
 available_mib=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
 by_memory=$((available_mib / PEAK_MIB))
 workers=$((by_memory < cores ? by_memory : cores))
