@@ -1,4 +1,4 @@
-"""Where a run reads and writes: local folders and object-store URLs behind one path type.
+"""Where a run reads and writes: local folders and object-store URLs, made into paths in one place.
 
 Every path of a run — the workdir and all it holds (checkpoints, metrics, TensorBoard, head map, lock, export),
 a head map or model read back, evaluation outputs — is made by ``run_path``: a local path becomes an absolute
