@@ -69,6 +69,7 @@ from hydrahead_jax.experiments.compare import (
 from hydrahead_jax.experiments.small_teacher import RecallStage, TeacherRecipe
 
 PRIMARY = ("head_7to1", "layer_3to1")
+GRANULARITY = "layer_3to1_probe"  # claim H5's layer-wise arm, run on as many seeds as the primary arms
 HEAD = {"selection.method": "combined", "selection.allocation": "global"}
 # arm -> overrides of the base recipe (the conversion recipe's defaults hold everything else)
 ARMS = {
@@ -79,10 +80,14 @@ ARMS = {
     "random_7to1": {"selection.method": "random", "selection.ratio": "7:1", "selection.allocation": "global"},
     "all_la": {"selection.method": "all_la"},
     "head_7to1_nofusion": {**HEAD, "selection.ratio": "7:1", "hybrid.fusion": "none"},
-    # Layer-wise 7:1 at the layer the probe scores highest (not a claim's arm): beside head-level 7:1 it separates
-    # the granularity of head-level selection from the placement the probe gives it, since the periodic layer-wise
-    # arms keep the last layers whatever the teacher's retrieval heads are. (At 3:1 the study's teacher needs no such
-    # arm: its top 8 groups are layers 0 and 4 whole, so head-level 3:1 is the probe-placed layer-wise 3:1.)
+    # Layer-wise at the layers the probe scores highest: beside head-level 7:1 they separate the granularity of
+    # head-level selection from the placement the probe gives it, since the periodic layer-wise arms keep the last
+    # layers whatever the teacher's retrieval heads are. 3:1 is claim H5's arm; 7:1 is reported without a test.
+    "layer_3to1_probe": {
+        "selection.method": "combined",
+        "selection.allocation": "whole_layers",
+        "selection.ratio": "3:1",
+    },
     "layer_7to1_probe": {
         "selection.method": "combined",
         "selection.allocation": "whole_layers",
@@ -150,7 +155,7 @@ class Study:
         return self.teacher.seq_len
 
     def seeds_of(self, arm: str) -> int:
-        return self.seeds if arm in PRIMARY else self.other_seeds
+        return self.seeds if arm in (*PRIMARY, GRANULARITY) else self.other_seeds
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -651,11 +656,14 @@ def _claim_workdir(study: Study, workdir: Path) -> None:
         )
     spec = claims_mod.claims_spec()
     fixed = _read_json(claims_file)
-    if fixed is not None and fixed != json.loads(json.dumps(spec)):
+    if fixed is not None and fixed not in claims_mod.registered_specs():
         raise ConfigError(
             f"{claims_file}: the claims were fixed before this workdir's runs and hydrahead_jax/experiments/claims.py "
-            "now states other ones; a changed test needs a new study (a new --workdir)."
+            "now states other ones (not an amendment of them, claims.REGISTRATIONS); a changed test needs a new "
+            "study (a new --workdir)."
         )
+    if fixed is not None and fixed != spec:
+        log(f"{claims_file}: amended ({len(claims_mod.REGISTRATIONS)} registrations in claims.py)")
     workdir.mkdir(parents=True, exist_ok=True)
     _write_json(recipe_file, mine)
     _write_json(claims_file, spec)
@@ -813,8 +821,11 @@ def merged_records(study: Study, digest: str | None, merge: list[str | Path]) ->
                 f"--merge {path}: it ran another study recipe or another teacher (its study/teacher digests differ "
                 "from this workdir's); only runs of the same study on the same teacher are reported together."
             )
-        if theirs.get("claims_hash") != claims_mod.spec_hash():
-            raise ConfigError(f"--merge {path}: its claims differ from claims.py's; it belongs to another study.")
+        if theirs.get("claims_hash") not in [claims_mod.spec_hash(spec) for spec in claims_mod.registered_specs()]:
+            raise ConfigError(
+                f"--merge {path}: its claims are neither claims.py's nor an earlier registration of them; it belongs "
+                "to another study."
+            )
         for r in theirs["runs"]:
             key = (r["run"]["arm"], r["run"]["seed"], r["run"]["scale"])
             records.setdefault(key, {**r, "merged_from": str(Path(path).absolute())})
