@@ -76,7 +76,7 @@ def assert_same_store(a, b):
 # ------------------------------------------------------------------------------------------------ readers
 
 
-def test_every_reader_gives_the_documents_written(tmp_path):
+def test_every_reader_gives_the_documents_written(tmp_path, monkeypatch):
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -118,6 +118,10 @@ def test_every_reader_gives_the_documents_written(tmp_path):
         "arrow two",
         "arrow three",
     ]
+    assert [f.name for f in list_inputs(f"{src}/*.jsonl*")] == ["c.jsonl", "d.jsonl.gz", "e.jsonl.zst"]
+    monkeypatch.chdir(src)
+    (md,) = list_inputs("*.md")
+    assert md.name == "b.md" and md.path == str(src / "b.md")
 
 
 def test_a_file_of_an_unknown_kind_is_refused_naming_it_before_any_work(tmp_path, bpe):
@@ -325,3 +329,24 @@ def test_source_and_store_on_gcs(tmp_path, bpe):
             assert summary["complete"] and summary["shards_prepared"] == 3
             assert_same_store(out, local)
             assert run_preparation(bpe, source, out_dir=out, shard_bytes=1)["shards_prepared"] == 0
+
+
+def test_hosts_that_do_not_share_the_store_folder_are_told_so(tmp_path, bpe):
+    """The multi-process path of train.py (training.data.prepare_store): each host prepares its shards without
+    completing the store, then process 0 completes it. Hosts writing into folders of their own (a local cache on
+    each) leave process 0 shards it cannot see: refused with the fix; one shared folder gives the one-host store."""
+    from hydrahead_jax.data.preparation import finalize_from_manifest
+
+    write_corpus(tmp_path / "src", 4, 12)
+    kw = dict(shard_bytes=1, finalize=False)
+    for host in range(2):
+        run_preparation(bpe, tmp_path / "src", out_dir=tmp_path / f"own{host}", host_index=host, host_count=2, **kw)
+    with pytest.raises(CorpusError, match=r"shards \[1, 3\] of 4 are not done.*all hosts must see.*store_root"):
+        finalize_from_manifest(tmp_path / "own0", fix="--config.data.store_root=gs://BUCKET/stores")
+    for host in range(2):
+        run_preparation(bpe, tmp_path / "src", out_dir=tmp_path / "shared", host_index=host, host_count=2, **kw)
+    assert not (tmp_path / "shared" / "metadata.json").exists()
+    finalize_from_manifest(tmp_path / "shared")
+    assert_same_store(
+        tmp_path / "shared", prepare_corpus(bpe, tmp_path / "src", out_dir=tmp_path / "one", shard_bytes=1)
+    )

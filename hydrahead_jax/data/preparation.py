@@ -34,6 +34,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import resource
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -105,7 +106,7 @@ def resolve_source(
     built-in extract's is its content hash with the cleaner's version (small, and as stores had it before)."""
     if txt_split not in ("file", "paragraphs"):
         raise CorpusError(f"txt_split must be 'file' or 'paragraphs', not {txt_split!r}.")
-    inputs = list_inputs(source)
+    inputs = list_inputs(source, cache)
     if len(inputs) == 1 and inputs[0].kind == ENWIKI:
         digest = content_sha256(inputs[0], cache)
         return Source(f"enwiki extract ({inputs[0].name})", digest, inputs, cache=cache)
@@ -346,8 +347,9 @@ def _split_mask(job: ShardJob, inputs: list[InputFile]) -> np.ndarray:
 
 
 def prepare_shard(job: ShardJob) -> dict:
-    """Tokenises one shard into its folder and writes its done.json (what it returns) last."""
-    start = time.perf_counter()
+    """Tokenises one shard into its folder and writes its done.json (what it returns) last: counts, the inputs'
+    content hashes, wall and CPU seconds, and the process's peak RSS so far (what bench/bench_data.py reports)."""
+    start, cpu = time.perf_counter(), time.process_time()
     folder = run_path(job.out) / shard_name(job.index)
     remove_tree(folder)  # what a killed attempt left
     inputs = [job.source.inputs[i] for i in job.inputs]
@@ -371,9 +373,23 @@ def prepare_shard(job: ShardJob) -> dict:
         "splits": counts,
         "validation_documents": [int(i) for i in np.flatnonzero(mask)],
         "seconds": round(time.perf_counter() - start, 3),
+        "cpu_seconds": round(time.process_time() - cpu, 3),
+        "peak_rss_mb": peak_rss_mb(),
     }
     write_json(folder / DONE, done)
     return done
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MiB: Linux's VmHWM (a spawned worker's own; getrusage's
+    ru_maxrss would start from its parent's at the fork), else getrusage."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def _worker_init() -> None:
@@ -413,14 +429,16 @@ def prepare_shards(plan: Plan, shards: Sequence[int], *, workers: int = 1, batch
 # ------------------------------------------------------------------------------------------------ completion
 
 
-def finalize_store(plan: Plan) -> dict:
+def finalize_store(plan: Plan, fix: str = "run the preparation on every host, then rerun") -> dict:
     """Writes metadata.json once every shard is done (idempotent: any host may do it): the counts, the inputs'
-    content hashes, and the validation documents' indices in input order (as stores had them before)."""
+    content hashes, and the validation documents' indices in input order (as stores had them before). A missing
+    shard is refused with ``fix``."""
     dones = [plan.done(k) for k in range(len(plan.shards))]
     missing = [k for k, d in enumerate(dones) if d is None]
     if missing:
         raise CorpusError(
-            f"token store {plan.out}: shards {missing[:8]} are not done yet; finish preparing them first."
+            f"token store {plan.out}: shards {missing[:8]} of {len(dones)} are not done (each host writes its own "
+            f"shards into this folder, so all hosts must see the same one). Fix: {fix}."
         )
     splits = _counts([d["splits"] for d in dones])
     if plan.settings["validation_fraction"] > 0 and splits["train"]["documents"] == 0:
@@ -477,6 +495,7 @@ def summarize(plan: Plan, prepared: list[dict], seconds: float) -> dict:
         "tokens_prepared": tokens_now,
         "seconds": round(seconds, 3),
         "tokens_per_second": round(tokens_now / seconds, 1) if seconds > 0 else None,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 

@@ -129,7 +129,8 @@ def _folder_inputs(root) -> list[InputFile]:
 
 def _glob_inputs(pattern: str) -> list[InputFile]:
     """Files matching a glob; names below the pattern's longest folder without a wildcard."""
-    root = pattern[: min(pattern.find(c) for c in _GLOB_CHARS if c in pattern)].rsplit("/", 1)[0]
+    prefix = pattern[: min(pattern.find(c) for c in _GLOB_CHARS if c in pattern)]
+    root = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
     if is_object_store(pattern):
         import fsspec
 
@@ -141,7 +142,7 @@ def _glob_inputs(pattern: str) -> list[InputFile]:
         root = os.path.expanduser(root)
     if not matches:
         raise CorpusError(f"corpus source {pattern} matches no file.")
-    inputs = [_input(run_path(m), m[len(root) + 1 :]) for m in matches]
+    inputs = [_input(run_path(m), m[len(root) + 1 :] if root else m) for m in matches]
     return sorted(inputs, key=lambda f: _sort_key(f.name))
 
 
@@ -164,11 +165,12 @@ def enwiki_input(cache: str | Path | None = None) -> InputFile:
     return InputFile(corpus.ENWIKI_MEMBER.rsplit("/", 1)[-1], ENWIKI, len(raw), None, ENWIKI)
 
 
-def list_inputs(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[InputFile]:
+def list_inputs(source: str | os.PathLike | Sequence[str | os.PathLike], cache=None) -> list[InputFile]:
     """The inputs of ``source`` in reading order (stat only, no byte read); an error names a missing or unknown
-    file. A list of several items prefixes each item's names with its position (``0/…``, ``1/…``)."""
+    file. A list of several items prefixes each item's names with its position (``0/…``, ``1/…``). ``cache``: where
+    the built-in extract's wheel is (default: the cache folder)."""
     if isinstance(source, str) and source == ENWIKI:
-        return [enwiki_input()]
+        return [enwiki_input(cache)]
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not items:
         raise CorpusError("the corpus source is an empty list; name at least one file or folder.")
