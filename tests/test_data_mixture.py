@@ -267,3 +267,23 @@ def test_train_py_mixes_two_sources_by_weight_and_stage_3_reads_its_own(corpora,
                 counts[only] += 1
         want = [n for _, n in logged[stage.directory]]
         assert (counts[2] == 32) if index == 2 else (counts[:2] == want)
+
+
+def test_the_data_digest_is_the_store_name_for_one_source_and_holds_the_weights_of_a_mixture(corpora):
+    """A run on data.source alone is identified by its store's content address, as before mixtures (so its workdir
+    fingerprint is unchanged); a mixture by every stage's stores, weights and minimum lengths."""
+    from hydrahead_jax.data.preparation import default_store_path, resolve_source
+    from hydrahead_jax.training.data import data_digest
+
+    tok, paths, stores = corpora
+    by_path = {str(paths[k]): stores[k] for k in stores}
+    c = get_config()
+    c.data.source = str(paths["a"])
+    cache_name = default_store_path(resolve_source(paths["a"], txt_split="paragraphs"), tok).name
+    assert data_digest(RunConfig.from_recipe(c), {str(paths["a"]): stores["a"]}) == cache_name
+    c.data.sources = (str(paths["a"]), {"path": str(paths["b"]), "weight": 0.5})
+    mixed = data_digest(RunConfig.from_recipe(c), by_path)
+    c.data.sources = (str(paths["a"]), {"path": str(paths["b"]), "weight": 0.25})
+    assert mixed.startswith("mixture-") and data_digest(RunConfig.from_recipe(c), by_path) != mixed
+    c.stage3.sources = ({"path": str(paths["c"]), "min_doc_tokens": 10},)
+    assert data_digest(RunConfig.from_recipe(c), by_path) not in (mixed, cache_name)

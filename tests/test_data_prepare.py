@@ -350,3 +350,22 @@ def test_hosts_that_do_not_share_the_store_folder_are_told_so(tmp_path, bpe):
     assert_same_store(
         tmp_path / "shared", prepare_corpus(bpe, tmp_path / "src", out_dir=tmp_path / "one", shard_bytes=1)
     )
+
+
+class DyingTokenizer:
+    """A tokenizer whose worker process dies (as one killed for memory does) at its first batch."""
+
+    name, fingerprint, vocab_size, eos_id, bos_id = "dies", "d" * 64, 10, 0, None
+
+    def encode_batch(self, texts):
+        os._exit(9)
+
+
+def test_a_worker_that_dies_or_fails_is_an_error_naming_the_shard(tmp_path, bpe):
+    write_corpus(tmp_path / "src", 6, 4)
+    with pytest.raises(CorpusError, match=r"the worker preparing shard \d died \(exit code 9; out of memory\?\)"):
+        prepare_corpus(DyingTokenizer(), tmp_path / "src", out_dir=tmp_path / "dies", shard_bytes=1, workers=2)
+    assert not (tmp_path / "dies").exists()  # nothing was finished: the new store is gone again
+    (tmp_path / "src" / "part-004.jsonl.zst").write_bytes(b"not zstd")
+    with pytest.raises(CorpusError, match=r"part-004\.jsonl\.zst is not a readable jsonl.zst file \(ZstdError"):
+        prepare_corpus(bpe, tmp_path / "src", out_dir=tmp_path / "bad", shard_bytes=1, workers=2)

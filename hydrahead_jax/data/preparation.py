@@ -9,7 +9,8 @@ How the work is cut:
 - shard k belongs to host k mod H (``host_index``/``host_count``: JAX's process index and count in a distributed
   run, or flags) and is tokenised by one of the host's ``workers`` processes, which streams its documents (two
   passes: count, then tokenise in batches of ``batch_docs``) and writes the shard's arrays in WRITE_CHUNK blocks,
-  so a worker's memory is bounded by one shard's document offsets, never by the corpus;
+  so a worker's memory is bounded by one shard's document offsets, never by the corpus (a worker process is
+  replaced after WORKER_SHARDS shards, so what the allocator keeps between shards cannot add up either);
 - a shard is finished when its done.json exists (written last); a killed preparation resumes at the unfinished
   shards and keeps the finished ones; when every shard is done, metadata.json is written (the store is complete).
 
@@ -27,12 +28,14 @@ single file, a small folder) that is exactly the split stores had before shards,
 
 from __future__ import annotations
 
-import concurrent.futures
+import ctypes
 import dataclasses
 import datetime
+import gc
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import resource
 import time
@@ -63,6 +66,7 @@ from hydrahead_jax.data.store import (
 from hydrahead_jax.storage import move, remove_tree, run_path
 
 DEFAULT_SHARD_BYTES = 64 << 20
+WORKER_SHARDS = 4  # shards a worker process prepares before a fresh one takes over
 _REBUILD_FIX = "pass rebuild=True (prepare: --rebuild) to re-tokenise into it, or use another out_dir (--out)."
 
 
@@ -377,7 +381,18 @@ def prepare_shard(job: ShardJob) -> dict:
         "peak_rss_mb": peak_rss_mb(),
     }
     write_json(folder / DONE, done)
+    _release_memory()
     return done
+
+
+def _release_memory() -> None:
+    """Hands the freed heap of a shard back to the system (glibc keeps it otherwise, and a worker's resident memory
+    would creep up shard after shard)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def peak_rss_mb() -> float:
@@ -392,14 +407,25 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def _worker_init() -> None:
-    """A worker process tokenises on its own core: the tokenizer's thread pool would compete with the others."""
+def _worker(conn) -> None:
+    """A worker process: prepares the shards sent to it, one at a time, replying with each done record (or the
+    error), and exits after WORKER_SHARDS of them or when sent None. It tokenises on its own core: the tokenizer's
+    thread pool would compete with the other workers."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    for _ in range(WORKER_SHARDS):
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            conn.send(("done", prepare_shard(job)))
+        except BaseException as err:  # reported by the parent, which stops the others
+            conn.send(("error", err))
+            return
 
 
 def prepare_shards(plan: Plan, shards: Sequence[int], *, workers: int = 1, batch_docs: int = 64) -> list[dict]:
-    """Writes ``shards`` of ``plan`` (in this process when ``workers`` == 1, else in that many spawned worker
-    processes, each taking the next unwritten shard); returns their done records."""
+    """Writes ``shards`` of ``plan`` in ``workers`` spawned worker processes, each taking the next unwritten shard
+    (in this process when one worker has at most WORKER_SHARDS shards to write); returns their done records."""
     jobs = [
         ShardJob(
             os.fspath(plan.out),
@@ -413,17 +439,55 @@ def prepare_shards(plan: Plan, shards: Sequence[int], *, workers: int = 1, batch
         )
         for k in shards
     ]
-    if workers <= 1 or len(jobs) <= 1:
+    if len(jobs) <= 1 or (workers <= 1 and len(jobs) <= WORKER_SHARDS):
         return [prepare_shard(job) for job in jobs]
+    return _in_workers(jobs, max(1, workers))
+
+
+def _in_workers(jobs: list[ShardJob], workers: int) -> list[dict]:
+    """Runs ``jobs`` in up to ``workers`` processes at a time, a worker replaced after WORKER_SHARDS shards so its
+    memory stays that of a few shards whatever the allocator keeps (bench/bench_data.py measures it). A worker that
+    dies (killed, out of memory) is an error naming its shard; the others are stopped."""
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX's threads
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)), context, _worker_init) as pool:
-        futures = [pool.submit(prepare_shard, job) for job in jobs]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    pending, running, done = list(reversed(jobs)), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                conn, child = context.Pipe()
+                proc = context.Process(target=_worker, args=(child,), daemon=True)
+                proc.start()
+                child.close()
+                running[conn] = (proc, pending.pop(), 1)
+                conn.send(running[conn][1])
+            for conn in multiprocessing.connection.wait(list(running)):  # a reply, or the end of a dead worker
+                proc, job, count = running.pop(conn)
+                done[job.index] = _reply(conn, proc, job)
+                if pending and count < WORKER_SHARDS:
+                    running[conn] = (proc, pending.pop(), count + 1)
+                    conn.send(running[conn][1])
+                    continue
+                if count < WORKER_SHARDS:
+                    conn.send(None)  # nothing left for it
+                proc.join()
+    finally:
+        for proc, _, _ in running.values():
+            proc.kill()
+    return [done[job.index] for job in jobs]
+
+
+def _reply(conn, proc, job: ShardJob) -> dict:
+    """A worker's done record for ``job``; its error raised here; its death an error naming the shard."""
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        proc.join()
+        raise CorpusError(
+            f"the worker preparing shard {job.index} died (exit code {proc.exitcode}; out of memory?). Fix: rerun "
+            "to resume (with fewer --workers if memory is short)."
+        ) from None
+    if kind == "error":
+        raise value
+    return value
 
 
 # ------------------------------------------------------------------------------------------------ completion

@@ -327,9 +327,17 @@ def iter_documents(inp: InputFile, *, text_field: str = "text", txt_split: str =
     else:
         docs = _jsonl_documents(inp, text_field)
     empty = True
-    for doc in docs:
-        empty = False
-        yield doc
+    try:
+        for doc in docs:
+            empty = False
+            yield doc
+    except CorpusError:
+        raise
+    except Exception as err:  # a damaged file: a decompressor's or Arrow's own error, named with the file here
+        raise CorpusError(
+            f"{inp.path} is not a readable {inp.kind} file ({type(err).__name__}: {err}). Fix: replace the file, or "
+            "remove it from the corpus."
+        ) from None
     if empty:
         what = "documents" if inp.kind in ("txt", ENWIKI) else f"non-empty {text_field!r} values"
         raise CorpusError(f"{inp.path} holds no {what}.")
