@@ -239,6 +239,7 @@ def direct_count(docs: list[str]) -> int:
     return sum(len(tok.encode_document(d)) + 1 for d in docs)
 
 
+@pytest.mark.slow
 def test_the_command_line_with_workers_counts_what_the_tokenizer_counts(tmp_path):
     docs = write_corpus(tmp_path / "src", 4, 30)
     summary = run_prepare(tmp_path / "src", tmp_path / "store", "--workers", "2", "--shard_mb", "0.001")

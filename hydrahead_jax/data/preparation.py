@@ -222,10 +222,10 @@ def _new_manifest(source: Source, tokenizer, settings: dict, shard_bytes: int) -
 
 def _recorded_hashes(out, recorded: dict) -> dict[str, str]:
     """Content hashes of the inputs of the finished shards, by name."""
-    hashes = {}
     meta = read_json(out / METADATA)
     if meta is not None and meta.get("version") == STORE_VERSION:
         return {i["name"]: i["sha256"] for i in meta["inputs"]}
+    hashes = {}
     for k in range(len(recorded["shards"])):
         done = read_json(out / shard_name(k) / DONE)
         hashes.update({i["name"]: i["sha256"] for i in (done or {}).get("inputs", [])})
@@ -299,7 +299,7 @@ def plan_store(
         _check_store(out, recorded, source, tokenizer, settings)
         manifest = read_json(out / MANIFEST) or recorded
         return Plan(out, source, tokenizer, settings, manifest, created=False)
-    if recorded is None and out.exists() and any(out.iterdir()):
+    if out.exists() and any(out.iterdir()):
         raise CorpusError(f"{out} exists and is not a token store; choose another out_dir (--out).")
     manifest = _new_manifest(source, tokenizer, settings, shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
