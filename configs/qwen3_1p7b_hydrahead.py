@@ -40,7 +40,12 @@ def get_config(arg: str | None = None):
     c.mesh.update(dict(data=-1, fsdp=8, tensor=1))
     c.teacher.source = "/path/to/Qwen3-1.7B"  # a Hugging Face folder; override with --config.teacher.source=
     c.teacher.dtype = "bfloat16"
-    c.data.source = "/path/to/corpus"  # .txt / .jsonl / .parquet files or a folder of them
+    # A corpus (files, a folder, a glob or gs:// URL of .txt/.jsonl[.gz|.zst]/.parquet/.arrow files) or a store
+    # prepared beforehand (python -m hydrahead_jax.data.prepare --workers 16 --host_index/--host_count); weighted
+    # sources per stage: data.sources / stageN.sources. The hosts tokenise a missing store together into
+    # data.store_root, which they must all see: --config.data.store_root=gs://BUCKET/stores.
+    c.data.source = "/path/to/corpus"
+    c.data.prepare_workers = 16
     c.data.num_threads = 16
     c.data.prefetch = 64
     c.selection.preset = "paper"

@@ -146,16 +146,85 @@ class TeacherConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """One weighted corpus source: ``path`` as ``data.source`` names a corpus ("enwiki", a file, folder, glob or
+    gs:// URL, or a prepared token store's folder), its ``weight`` in the mixture (relative to the stage's other
+    sources), and ``min_doc_tokens``: only documents of at least that many tokens are read from it (0: all)."""
+
+    path: str
+    weight: float = 1.0
+    min_doc_tokens: int = 0
+
+    def __post_init__(self):
+        where = "sources[]"
+        _require(bool(self.path), where, "path", self.path, "is empty", "name a corpus path")
+        _require(self.path != "copy", where, "path", self.path, "'copy' is no corpus to mix", "a corpus path")
+        _require(
+            math.isfinite(self.weight) and self.weight > 0,
+            where,
+            "weight",
+            self.weight,
+            "must be finite and > 0",
+            "give the source a weight > 0, e.g. 1.0",
+        )
+        _require(
+            self.min_doc_tokens >= 0,
+            where,
+            "min_doc_tokens",
+            self.min_doc_tokens,
+            "must be >= 0",
+            "0 (every document) or a positive token count",
+        )
+
+
+SOURCE_KEYS = tuple(f.name for f in dataclasses.fields(SourceSpec))
+
+
+def parse_sources(key: str, value: Any) -> tuple[SourceSpec, ...]:
+    """A recipe's sources list (dicts {path, weight?, min_doc_tokens?}, or bare path strings: weight 1) as
+    SourceSpecs; a bad entry is refused naming ``key``, the entry and the fix."""
+    if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
+        value = (value,)
+    out = []
+    for i, item in enumerate(value):
+        entry = _as_dict(item) if not isinstance(item, str) else {"path": item}
+        where = f"{key}[{i}]"
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown or "path" not in entry:
+            raise ConfigError(
+                f"{where}={entry!r}: a source is {{'path': ..., 'weight': ..., 'min_doc_tokens': ...}} (path "
+                f"required{'; unknown ' + str(unknown) if unknown else ''}). Fix: --{key}=\"({{'path': '/data/a', "
+                "'weight': 1.0},)\"."
+            )
+        hints = typing.get_type_hints(SourceSpec)
+        values = {k: _coerce(where, k, v, hints[k]) for k, v in entry.items()}
+        try:
+            out.append(SourceSpec(**values))
+        except _FieldError as err:
+            raise ConfigError(_reword(where, err)) from None
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """``source``: "copy" (seeded copy rows, no tokenizer), "enwiki", or .txt/.jsonl/.parquet files or a folder."""
+    """``source``: "copy" (seeded copy rows, no tokenizer), "enwiki", or a corpus: files (.txt/.md, .jsonl, .jsonl.gz,
+    .jsonl.zst, .parquet, .arrow), a folder, a glob or gs:// URL of them, or a prepared token store's folder.
+    ``sources``: weighted corpus sources ({path, weight, min_doc_tokens}; ``SourceSpec``) read instead of
+    ``source`` by every stage that names none of its own (``StageConfig.sources``)."""
 
     source: str = "enwiki"
+    sources: tuple[SourceSpec, ...] = ()
     validation_fraction: float = 0.02
     txt_split: str = "file"  # .txt files: "file" = one document per file, "paragraphs" = one per paragraph
     text_field: str = "text"  # .jsonl / .parquet column
     num_threads: int = 2  # grain reader threads (does not change the data or its order)
     prefetch: int = 8  # batches read ahead (does not change the data or its order)
     copy_repeats: int = 4  # "copy" source: repeats of each row's random block
+    # worker processes (one core each) that tokenise a missing store on each host (data.preparation)
+    prepare_workers: int = 1
+    # where train.py keeps prepared stores, by identity ("": $HYDRAHEAD_CACHE/corpora); a multi-host run needs a
+    # folder every host sees (gs://BUCKET/stores): the hosts share the tokenising
+    store_root: str = ""
     # Rows pack several documents. True: the model runs each on its own (attention within the document, the
     # linear-attention state and conv restart at its start, RoPE at per-document positions); False: a row is one
     # causal sequence at positions 0 … T−1 (the behaviour before packed documents were masked). The loss never
@@ -183,6 +252,7 @@ class DataConfig:
         _require(self.num_threads >= 1, "data", "num_threads", self.num_threads, "must be >= 1", "2")
         _require(self.prefetch >= 1, "data", "prefetch", self.prefetch, "must be >= 1", "8")
         _require(self.copy_repeats >= 1, "data", "copy_repeats", self.copy_repeats, "must be >= 1", "4")
+        _require(self.prepare_workers >= 1, "data", "prepare_workers", self.prepare_workers, "must be >= 1", "1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +294,8 @@ class StageConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2  # confirmed checkpoints kept, plus the newest while its next step's loss is read
     synthetic_rate: float = 0.0  # fraction of synthetic retrieval rows (corpus sources only)
+    # this stage's weighted corpus sources (SourceSpec); empty: data.sources, or data.source alone
+    sources: tuple[SourceSpec, ...] = ()
     # where a synthetic row carries loss: "answer" (its answer tokens) or "full" (every token of the row: stage 2's KL
     # to the teacher, stage 3's KL/CE, over the haystack, needle and question too)
     synthetic_loss: str = "answer"
@@ -431,6 +503,12 @@ class RunConfig:
             "4",
         )
         random_teacher = self.teacher.source == "random"
+        mixed = [s.config_key for s in STAGES if self.stage(s).sources] + (["data"] if self.data.sources else [])
+        if self.data.source == "copy" and mixed:
+            raise ConfigError(
+                f"config.{mixed[0]}.sources names corpora, and data.source='copy' reads none. Fix: "
+                f"--config.{mixed[0]}.sources='()', or a corpus data.source."
+            )
         if random_teacher and self.data.source != "copy":
             raise ConfigError(
                 f"config.data.source={self.data.source!r} is tokenised with the teacher's tokenizer, and a random "
@@ -488,6 +566,13 @@ class RunConfig:
 
     def stage(self, stage: Stage) -> StageConfig:
         return getattr(self, stage.config_key)
+
+    def stage_sources(self, stage: Stage) -> tuple[SourceSpec, ...]:
+        """The corpus sources ``stage`` reads: its own ``sources``, else ``data.sources``, else ``data.source``
+        alone (none for the copy source)."""
+        if self.data.source == "copy":
+            return ()
+        return self.stage(stage).sources or self.data.sources or (SourceSpec(self.data.source),)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain JSON-able data, in the recipe's shape (written with every run and export)."""
@@ -631,6 +716,8 @@ def _coerce(where: str, name: str, value: Any, hint) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r}: expected a string.")
         return value
+    if hint == tuple[SourceSpec, ...]:
+        return parse_sources(key, value)
     return value
 
 

@@ -107,6 +107,10 @@ def test_enwiki_extract_with_smollm2(cache, tmp_path):
     assert meta["tokenizer"]["fingerprint"] == tok.fingerprint
     n_val = meta["splits"]["validation"]["documents"]
     assert n_val == 2 and meta["splits"]["train"]["documents"] == 104
+    # the store the demo reads, as the one-array store before shards had it (its split, documents and counts, read
+    # from that store on 2026-12-07): preparation in shards changed none of it
+    assert meta["validation_documents"] == [37, 87]
+    assert (meta["splits"]["train"]["tokens"], meta["splits"]["validation"]["tokens"]) == (605_871, 16_761)
     # token counts against per-document encode() + EOS (not encode_batch, which the store used)
     total = meta["splits"]["train"]["tokens"] + meta["splits"]["validation"]["tokens"]
     assert 600_000 < total < 700_000

@@ -2,20 +2,18 @@
 
 from hydrahead_jax.data.corpus import (
     CorpusError,
-    CorpusStore,
     TokenizerMismatchError,
     cache_dir,
     fetch_gensim_wheel,
     load_enwiki_documents,
     load_heldout_text,
-    prepare_corpus,
-    read_metadata,
-    resolve_source,
 )
 from hydrahead_jax.data.mixture import SyntheticRows, mix_synthetic, synthetic_row
 from hydrahead_jax.data.pipeline import Documents, PackedWindows, make_dataset, make_train_iterator
+from hydrahead_jax.data.preparation import prepare_corpus, resolve_source
 from hydrahead_jax.data.protocol import TokenizerLike, check_tokenizer
 from hydrahead_jax.data.rows import CopyRows, pack_row
+from hydrahead_jax.data.store import CorpusStore, read_metadata
 from hydrahead_jax.data.synthetic import TASKS, Haystack, SyntheticExample, generate
 from hydrahead_jax.data.wiki import clean_wiki_markup
 

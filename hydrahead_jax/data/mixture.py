@@ -1,12 +1,21 @@
-"""Stage-3 mixture: packed corpus rows with seeded synthetic retrieval rows mixed in at a given rate.
+"""Weighted mixtures of row sources: corpus stores by weight, and seeded synthetic retrieval rows at a rate.
 
-Row i of `SyntheticRows` depends only on (seed, i): the task, its options and the example seed are drawn
-from a generator seeded with both, so the mixture stays random access, deterministic, and its iterator
-state is still one integer (grain's `MapDataset.mix` interleaves by a fixed integer pattern).
+A stage reads one or more corpus sources (``WeightedStore``: a token store, its weight, the shortest document it
+contributes) and, at ``synthetic_rate`` > 0, synthetic retrieval rows as one more source: the corpus sources share
+1 − rate in proportion to their weights, the synthetic rows take rate. ``mix_sources`` interleaves them with
+grain's ``MapDataset.mix``, a fixed integer pattern (each weight scaled so the smallest is 100, truncated): row i's
+source and its index there are functions of i alone, so the mixture stays random access, deterministic, and its
+iterator state one integer. Over any n consecutive rows a source of proportion p gives n·p rows up to the pattern's
+rounding (``source_counts`` counts them): never more spread than a random draw per row, whose count would vary by
+√(n·p·(1 − p)).
+
+Row i of ``SyntheticRows`` depends only on (seed, i): the task, its options and the example seed are drawn from a
+generator seeded with both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -104,6 +113,58 @@ class SyntheticRows(grain.MapDataset):
         return synthetic_row(self.example(index), self._seq_len, loss=self._loss, pad_id=self._pad_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightedStore:
+    """A prepared token store as one source of a mixture: its weight, the shortest document (in tokens) it
+    contributes (0: all), and the name its row counts are logged under."""
+
+    path: object
+    weight: float = 1.0
+    min_doc_tokens: int = 0
+    name: str = ""
+
+
+def mix_sources(parts: Sequence[grain.MapDataset], weights: Sequence[float]) -> grain.MapDataset:
+    """``parts`` interleaved by ``weights`` (see the module doc); one part is returned as it is."""
+    if len(parts) != len(weights) or not parts:
+        raise ValueError(f"{len(parts)} sources and {len(weights)} weights: one weight per source.")
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"mixture weights must be > 0, not {list(weights)}.")
+    return parts[0] if len(parts) == 1 else grain.MapDataset.mix(list(parts), weights=list(weights))
+
+
+class _Label(grain.MapDataset):
+    """A source that yields its own index: mixed like the real sources, it tells which source each row is from."""
+
+    def __init__(self, label: int, length: int):
+        super().__init__()
+        self._label, self._len = label, length
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        return self.slice(index) if isinstance(index, slice) else self._label
+
+
+def source_counts(weights: Sequence[float], start: int, stop: int) -> list[int]:
+    """How many of the mixture's rows [start, stop) each source gives (``mix_sources``' pattern, read for those
+    rows, no data touched)."""
+    labels = mix_sources([_Label(i, sys.maxsize) for i in range(len(weights))], weights)
+    counts = [0] * len(weights)
+    for i in range(start, stop):
+        counts[labels[i]] += 1
+    return counts
+
+
+def synthetic_weights(weights: Sequence[float], rate: float) -> list[float]:
+    """The corpus sources' weights scaled to share 1 − ``rate``, then ``rate`` for the synthetic rows (none when
+    rate is 0)."""
+    total = float(sum(weights))
+    scaled = [(1.0 - rate) * w / total for w in weights]
+    return scaled + [rate] if rate > 0 else scaled
+
+
 def mix_synthetic(
     rows: grain.MapDataset,
     store,
@@ -116,13 +177,28 @@ def mix_synthetic(
     loss: str = "answer",
     haystack: Haystack | None = None,
 ) -> grain.MapDataset:
-    """`rows` (corpus) and synthetic rows interleaved so that a fraction `rate` is synthetic.
-
-    The haystack defaults to the store's own text. With a finite corpus the mixture ends when the
-    corpus rows are used up, so an epoch still sees every corpus row once.
-    """
+    """`rows` (corpus) and synthetic rows interleaved so that a fraction `rate` is synthetic (``mix_sources``)."""
     if not 0.0 < rate < 1.0:
         raise ValueError(f"synthetic rate must be in (0, 1), not {rate}.")
+    synthetic = synthetic_source(
+        rows, store, tokenizer, seq_len=seq_len, seed=seed, tasks=tasks, loss=loss, haystack=haystack
+    )
+    return mix_sources([rows, synthetic], synthetic_weights([1.0], rate))
+
+
+def synthetic_source(
+    rows: grain.MapDataset,
+    store,
+    tokenizer: TokenizerLike,
+    *,
+    seq_len: int,
+    seed: int,
+    tasks: Sequence[str] | None = None,
+    loss: str = "answer",
+    haystack: Haystack | None = None,
+) -> SyntheticRows:
+    """The synthetic rows beside corpus ``rows``: as many as they (with a finite corpus the mixture ends when the
+    corpus rows are used up, so an epoch still sees every corpus row once); the haystack defaults to ``store``'s
+    own text."""
     haystack = haystack or Haystack.from_store(store, tokenizer)
-    synthetic = SyntheticRows(tokenizer, haystack, seq_len=seq_len, seed=seed, tasks=tasks, loss=loss, length=len(rows))
-    return grain.MapDataset.mix([rows, synthetic], weights=[1.0 - rate, rate])
+    return SyntheticRows(tokenizer, haystack, seq_len=seq_len, seed=seed, tasks=tasks, loss=loss, length=len(rows))

@@ -25,15 +25,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import grain
 import numpy as np
 
-from hydrahead_jax.data.corpus import CorpusStore
-from hydrahead_jax.data.mixture import mix_synthetic
+from hydrahead_jax.data.mixture import WeightedStore, mix_sources, synthetic_source, synthetic_weights
 from hydrahead_jax.data.protocol import TokenizerLike
 from hydrahead_jax.data.rows import pack_row
+from hydrahead_jax.data.store import CorpusStore
 
 _DOC_SALT, _WINDOW_SALT = 0x5EED_D0C5, 0x5EED_3140
 
@@ -51,14 +50,16 @@ class PackedWindows(grain.MapDataset):
         shuffle: bool = True,
         drop_tail: bool = True,
         pad_id: int | None = None,
+        min_doc_tokens: int = 0,
     ):
         super().__init__()
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, not {seq_len}.")
         self._store, self._seq_len, self._seed = store, int(seq_len), int(seed)
         self._shuffle, self._drop_tail = shuffle, drop_tail
-        self._lengths = store.doc_lengths
-        n = store.num_tokens
+        self._documents = _long_documents(store, min_doc_tokens)
+        self._lengths = store.doc_lengths if self._documents is None else store.doc_lengths[self._documents]
+        n = int(self._lengths.sum())
         self._stream_len = n
         self.windows_per_epoch = n // seq_len if drop_tail else -(-n // seq_len)
         if self.windows_per_epoch == 0:
@@ -110,7 +111,7 @@ class PackedWindows(grain.MapDataset):
         k = int(np.searchsorted(cum, start, side="right")) - 1
         pos = start
         while pos < stop:
-            d = int(doc_order[k])
+            d = int(doc_order[k]) if self._documents is None else int(self._documents[doc_order[k]])
             take = min(stop, int(cum[k + 1])) - pos
             begin = int(self._store.offsets[d]) + (pos - int(cum[k]))
             tokens[pos - start : pos - start + take] = self._store.read(begin, begin + take)
@@ -127,6 +128,21 @@ class PackedWindows(grain.MapDataset):
         epoch, i = divmod(int(index), self.windows_per_epoch)
         _, _, win_order = self._epoch_order(epoch)
         return pack_row(*self.window(epoch, int(win_order[i])))
+
+
+def _long_documents(store: CorpusStore, min_doc_tokens: int) -> np.ndarray | None:
+    """The documents of at least ``min_doc_tokens`` tokens (None: all of them, no filter)."""
+    if min_doc_tokens <= 0:
+        return None
+    lengths = store.doc_lengths
+    kept = np.flatnonzero(lengths >= min_doc_tokens)
+    if not len(kept):
+        longest = int(lengths.max()) if len(lengths) else 0
+        raise ValueError(
+            f"split {store.split!r} of {store.path} has no document of min_doc_tokens={min_doc_tokens} tokens or "
+            f"more (the longest has {longest}); lower min_doc_tokens or use a corpus of longer documents."
+        )
+    return kept
 
 
 class Documents(grain.MapDataset):
@@ -224,62 +240,50 @@ def select_batch_rows(
     return batches[start_batch:] if start_batch else batches
 
 
-def make_train_iterator(
-    store_path: str | Path,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    split: str = "train",
-    num_epochs: int | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    batch_rows: Sequence[int] | None = None,
-    start_batch: int = 0,
-    synthetic_rate: float = 0.0,
-    synthetic_tasks: Sequence[str] | None = None,
-    synthetic_loss: str = "answer",
-    tokenizer: TokenizerLike | None = None,
-    shuffle: bool = True,
-    drop_tail: bool = True,
-    num_threads: int = 2,
-    prefetch_buffer_size: int = 16,
-) -> grain.DatasetIterator:
-    """A checkpointable iterator of batches {input_ids, targets, loss_mask, segment_ids, positions}.
+def make_train_iterator(store_path, **options) -> grain.DatasetIterator:
+    """A checkpointable iterator of batches {input_ids, targets, loss_mask, segment_ids, positions}
+    (``make_dataset``'s arguments).
 
     `batch_size` is the GLOBAL batch: process p of P gets rows p, p+P, p+2P, ... of the global row
     sequence, batch_size // P of them per step, so the union of all processes' step-s batches is exactly
     the single-process step-s batch; `batch_rows` names the rows of each global batch this process reads
     instead (see `resolve_batch_rows`: a multi-process run reads the rows its devices hold). `start_batch`: the
-    first global batch read (a resumed run's position, `select_batch_rows`). `synthetic_rate` > 0 mixes seeded
-    synthetic retrieval rows in (needs `tokenizer`; see `mixture.py`). Save/restore the iterator with
+    first global batch read (a resumed run's position, `select_batch_rows`). Save/restore the iterator with
     `get_state()`/`set_state()` or Orbax `grain.checkpoint.CheckpointSave/CheckpointRestore`; it resumes at
     exactly the next batch.
     """
-    return make_dataset(
-        store_path,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        split=split,
-        num_epochs=num_epochs,
-        shard_index=shard_index,
-        shard_count=shard_count,
-        batch_rows=batch_rows,
-        start_batch=start_batch,
-        synthetic_rate=synthetic_rate,
-        synthetic_tasks=synthetic_tasks,
-        synthetic_loss=synthetic_loss,
-        tokenizer=tokenizer,
-        shuffle=shuffle,
-        drop_tail=drop_tail,
-        num_threads=num_threads,
-        prefetch_buffer_size=prefetch_buffer_size,
-    ).__iter__()
+    return make_dataset(store_path, **options).__iter__()
+
+
+def weighted_stores(store_path) -> list[WeightedStore]:
+    """A store path, or a sequence of ``WeightedStore``s, as the list of a mixture's sources."""
+    if isinstance(store_path, (list, tuple)):
+        return list(store_path)
+    return [WeightedStore(store_path)]
+
+
+def corpus_sources(
+    store_path,
+    split: str,
+    *,
+    seq_len: int,
+    seed: int,
+    tokenizer: TokenizerLike | None = None,
+    **windows,
+) -> tuple[list[PackedWindows], list[CorpusStore], list[float]]:
+    """The packed rows of each source of ``store_path`` (source i seeded seed + i·1000003, so one source reads as
+    it always did), their stores and weights; ``windows``: PackedWindows' options."""
+    sources = weighted_stores(store_path)
+    stores = [CorpusStore(s.path, split, tokenizer=tokenizer) for s in sources]
+    rows = [
+        PackedWindows(store, seq_len, seed=seed + i * 1_000_003, min_doc_tokens=s.min_doc_tokens, **windows)
+        for i, (s, store) in enumerate(zip(sources, stores, strict=True))
+    ]
+    return rows, stores, [float(s.weight) for s in sources]
 
 
 def make_dataset(
-    store_path: str | Path,
+    store_path,
     *,
     seq_len: int,
     batch_size: int,
@@ -299,27 +303,28 @@ def make_dataset(
     num_threads: int = 2,
     prefetch_buffer_size: int = 16,
 ) -> grain.IterDataset:
-    """The `grain.IterDataset` behind `make_train_iterator` (same arguments)."""
+    """The `grain.IterDataset` behind `make_train_iterator`.
+
+    ``store_path``: one token store, or a sequence of ``mixture.WeightedStore`` mixed by weight. `synthetic_rate`
+    > 0 mixes seeded synthetic retrieval rows in as one more source taking that fraction (needs `tokenizer`; the
+    haystack is the first store's text; see `mixture.py`)."""
+    if not 0 <= synthetic_rate < 1:
+        raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
+    if synthetic_rate > 0 and tokenizer is None:
+        raise ValueError("synthetic_rate > 0 needs the tokenizer (to build the synthetic prompts).")
     batch_rows = resolve_batch_rows(batch_size, batch_rows, shard_index, shard_count)
-    store = CorpusStore(store_path, split, tokenizer=tokenizer)
-    rows: grain.MapDataset = PackedWindows(
-        store, seq_len, seed=seed, num_epochs=num_epochs, shuffle=shuffle, drop_tail=drop_tail
+    windows = dict(num_epochs=num_epochs, shuffle=shuffle, drop_tail=drop_tail)
+    parts, stores, weights = corpus_sources(
+        store_path, split, seq_len=seq_len, seed=seed, tokenizer=tokenizer, **windows
     )
     if synthetic_rate > 0:
-        if tokenizer is None:
-            raise ValueError("synthetic_rate > 0 needs the tokenizer (to build the synthetic prompts).")
-        rows = mix_synthetic(
-            rows,
-            store,
-            tokenizer,
-            seq_len=seq_len,
-            seed=seed,
-            rate=synthetic_rate,
-            tasks=synthetic_tasks,
-            loss=synthetic_loss,
-        )
-    elif synthetic_rate < 0:
-        raise ValueError(f"synthetic_rate must be in [0, 1), not {synthetic_rate}.")
+        corpus = mix_sources(parts, weights)
+        parts = parts + [
+            synthetic_source(
+                corpus, stores[0], tokenizer, seq_len=seq_len, seed=seed, tasks=synthetic_tasks, loss=synthetic_loss
+            )
+        ]
+    rows = mix_sources(parts, synthetic_weights(weights, synthetic_rate))
     batches = select_batch_rows(rows, batch_size, batch_rows, start_batch)
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return batches.to_iter_dataset(options)

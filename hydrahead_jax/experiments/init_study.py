@@ -178,11 +178,12 @@ class Study:
 
     def _calibration_ids(self) -> np.ndarray:
         """The pipeline's calibration batch (``training.pipeline.calibration_ids``)."""
-        from hydrahead_jax.training.data import prepare_store
+        from hydrahead_jax.run_config import STAGES
+        from hydrahead_jax.training.data import prepare_stores, stage_stores
         from hydrahead_jax.training.pipeline import calibration_ids
 
         run = self.base_run
-        store = None if run.data.source == "copy" else prepare_store(run.data, self.tokenizer)
+        store = stage_stores(run, STAGES[0], prepare_stores(run, self.tokenizer))
         return np.asarray(calibration_ids(run, self.cfg.vocab_size, self.tokenizer, store))
 
     def student_at_init(self, hybrid: HybridConfig):

@@ -58,7 +58,8 @@ DONE_MARKER = "DONE"
 RESUME_SAFE_KEYS = ("logging", "mesh", "distributed")
 RESUME_SAFE_SECTION_KEYS = {
     "teacher": ("source",),  # where the checkpoint is mounted; the fingerprint holds its ModelConfig instead
-    "data": ("num_threads", "prefetch"),  # loader threads and read-ahead
+    # loader threads, read-ahead, tokenising processes, where stores are kept (the digest names their content)
+    "data": ("num_threads", "prefetch", "prepare_workers", "store_root"),
     "selection": ("head_map_path", "preset"),  # the map is copied into the workdir; the preset's values are kept
     "hybrid": ("attention_context_parallel",),  # how FA heads get their keys across devices: same values
     # checkpoint interval and kept count; the held-out evaluation (reads the state, never changes it)
@@ -271,14 +272,18 @@ def config_fingerprint(
     run: RunConfig, teacher_model: ModelConfig, data_digest: str | None = None
 ) -> tuple[str, dict[str, Any]]:
     """(sha256 of the run-defining part of the config, that part), with the teacher's resolved ModelConfig and,
-    when given, the corpus by its content (``data_digest``: the token store's content address) instead of the
-    path it is read from, so a corpus mounted elsewhere after a restart is the same run."""
+    when given, the corpus by its content (``data_digest``: the token stores' content addresses with each stage's
+    weights, ``training.data.data_digest``) instead of the paths it is read from, so a corpus mounted elsewhere
+    after a restart is the same run. The ``sources`` lists are left out: the digest holds them (and a run without
+    them fingerprints as it did before they existed)."""
     core = {k: v for k, v in run.to_dict().items() if k not in RESUME_SAFE_KEYS}
     for section, keys in RESUME_SAFE_SECTION_KEYS.items():
         core[section] = {k: v for k, v in core[section].items() if k not in keys}
     for stage in STAGES:
         core[stage.config_key] = {k: v for k, v in core[stage.config_key].items() if k not in CONTINUABLE_STAGE_KEYS}
     core["teacher"]["model"] = teacher_model.to_dict()
+    for section in ("data", *(s.config_key for s in STAGES)):
+        core[section].pop("sources", None)  # the paths: the data digest holds what each stage reads (or the source)
     if data_digest is not None:
         core["data"]["source"] = f"content:{data_digest}"
     text = json.dumps(core, sort_keys=True, default=str)

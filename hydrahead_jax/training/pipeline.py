@@ -15,7 +15,8 @@ from flax import nnx
 
 from hydrahead_jax.compilation import release_compiled
 from hydrahead_jax.config import ConfigError, ModelConfig, with_rope_extension
-from hydrahead_jax.data.corpus import CorpusError, check_source
+from hydrahead_jax.data.corpus import CorpusError
+from hydrahead_jax.data.preparation import check_source
 from hydrahead_jax.data.protocol import check_tokenizer
 from hydrahead_jax.export import export_final
 from hydrahead_jax.hybrid import HeadMap, build_model, build_student
@@ -42,7 +43,15 @@ from hydrahead_jax.training.checkpoint import (
     is_primary,
     sync_processes,
 )
-from hydrahead_jax.training.data import HELDOUT_SEED_OFFSET, make_heldout_batch, make_stage_iterator, prepare_store
+from hydrahead_jax.training.data import (
+    HELDOUT_SEED_OFFSET,
+    data_digest,
+    make_heldout_batch,
+    make_stage_iterator,
+    mixture_line,
+    prepare_stores,
+    stage_stores,
+)
 from hydrahead_jax.training.errors import StageOrderError
 from hydrahead_jax.training.steps import cast_like, f32_param_target
 from hydrahead_jax.training.trainer import StageSpec, TeacherHandle, abstract_with_shardings, run_stage
@@ -127,13 +136,13 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
             f"data.source={run.data.source!r} is tokenised with the teacher's tokenizer, and "
             f"{run.teacher.source!r} comes without one; use data.source='copy' or a checkpoint with its tokenizer."
         )
-    if run.data.source != "copy":
+    for key, path in corpus_paths(run):
         try:
-            check_source(run.data.source)
+            check_source(path)
         except CorpusError as err:
             raise CorpusError(
-                f"config.data.source: {err} Fix: --config.data.source=<a .txt/.jsonl/.parquet file, a folder of "
-                "them, or enwiki>."
+                f"config.{key}: {err} Fix: --config.{key}=<a corpus file (.txt/.md, .jsonl[.gz|.zst], .parquet, "
+                ".arrow), a folder or glob of them, a prepared token store, or enwiki>."
             ) from None
     if sel.method == "given":
         if run_path(sel.head_map_path).is_dir():
@@ -145,6 +154,19 @@ def validate_against_teacher(run: RunConfig, cfg: ModelConfig, tokenizer) -> Non
         validate_config(sel.settings, cfg, tokenizer if sel.method in PROBE_METHODS else None)
     for stage in STAGES:
         student_config(run, cfg, stage)  # a stage-3 RoPE extension the teacher's RoPE cannot take is refused now
+
+
+def corpus_paths(run: RunConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every corpus the run names: data.source, or the sources lists that replace it."""
+    if run.data.source == "copy":
+        return []
+    keyed = [
+        (f"{section}.sources[{i}].path", s.path)
+        for section, specs in [("data", run.data.sources)] + [(st.config_key, run.stage(st).sources) for st in STAGES]
+        for i, s in enumerate(specs)
+    ]
+    uses_source = any(not run.stage(st).sources for st in STAGES) and not run.data.sources
+    return ([("data.source", run.data.source)] if uses_source else []) + keyed
 
 
 def student_config(run: RunConfig, cfg: ModelConfig, stage: Stage) -> ModelConfig:
@@ -204,7 +226,7 @@ def _new_head_map(sel: SelectionStageConfig, teacher, tokenizer, cfg: ModelConfi
 def calibration_ids(run: RunConfig, vocab_size: int, tokenizer, store=None) -> jax.Array:
     """The fusion's calibration batch, int32 [hybrid_calibration_rows, stage 1's seq_len]: the first rows of stage
     1's data under seed ``run.seed + 7919`` (no training iterator uses it), read whole by every process, which must
-    all build the same student. ``store``: the corpus token store (``prepare_store``; None for the copy source)."""
+    all build the same student. ``store``: stage 1's token store(s) (``stage_stores``; None for the copy source)."""
     scfg, rows = run.stage(STAGES[0]), run.hybrid_calibration_rows
     batches = make_stage_iterator(
         run.data,
@@ -277,12 +299,10 @@ def _run_locked(
     teacher, tokenizer, cfg = load_teacher(run.teacher)
     validate_against_teacher(run, cfg, tokenizer)
     lock.acquire()  # a new workdir is created (and claimed) only by a run that passed every check
-    # The corpus is tokenised (once; content-addressed in the cache) before the workdir check, so that a run is
-    # identified by its data's content, not by the path the corpus is mounted at.
-    store = None if run.data.source == "copy" else prepare_store(run.data, tokenizer)
-    digest = check_workdir_config(
-        workdir, run, cfg, force_new=force_new, data_digest=None if store is None else run_path(store).name
-    )
+    # The corpora are tokenised (once; content-addressed in the cache) before the workdir check, so that a run is
+    # identified by its data's content, not by the paths the corpora are mounted at.
+    stores = prepare_stores(run, tokenizer)
+    digest = check_workdir_config(workdir, run, cfg, force_new=force_new, data_digest=data_digest(run, stores))
     resolved = run.to_dict()
     # The held-out batches are read (whole, by every process: see trainer.HeldoutEval) before any work, so a
     # validation split that cannot give them is refused now.
@@ -293,7 +313,7 @@ def _run_locked(
             rows=run.stage(stage).heldout_rows,
             seed=run.seed + HELDOUT_SEED_OFFSET + index,
             vocab_size=cfg.vocab_size,
-            store_path=store,
+            store_path=stage_stores(run, stage, stores),
             config_key=stage.config_key,
         )
         for index, stage in enumerate(STAGES)
@@ -317,22 +337,29 @@ def _run_locked(
         scfg = run.stage(stage)
         # A process reads the rows its devices hold (put_batch assembles the global batch from them).
         rows = shd.process_batch_rows(shd.batch_sharding(mesh, 2), scfg.batch_size)
-        return lambda start_batch: make_stage_iterator(
-            run.data,
-            seq_len=scfg.seq_len,
-            batch_size=scfg.batch_size,
-            seed=seed,
-            vocab_size=cfg.vocab_size,
-            synthetic_rate=scfg.synthetic_rate,
-            synthetic_loss=scfg.synthetic_loss,
-            tokenizer=tokenizer,
-            store_path=store,
-            batch_rows=rows,
-            start_batch=start_batch,
-        )
+
+        def make(start_batch: int):
+            if run.stage_sources(stage):  # the realised mixture of the rows this (re)start reads
+                print(f"[{stage.directory}] {mixture_line(run, stage, start_batch)}", flush=True)
+            return make_stage_iterator(
+                run.data,
+                seq_len=scfg.seq_len,
+                batch_size=scfg.batch_size,
+                seed=seed,
+                vocab_size=cfg.vocab_size,
+                synthetic_rate=scfg.synthetic_rate,
+                synthetic_loss=scfg.synthetic_loss,
+                tokenizer=tokenizer,
+                store_path=stage_stores(run, stage, stores),
+                batch_rows=rows,
+                start_batch=start_batch,
+            )
+
+        return make
 
     def initial_first_stage():
         # build_student copies the teacher's arrays, so the student's state can be donated to the jitted step.
+        store = stage_stores(run, STAGES[0], stores)
         return nnx.as_pure(nnx.state(initial_student(run, teacher, tokenizer, head_map, store)))
 
     previous = None
