@@ -5,6 +5,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hydrahead_jax.config import ConfigError
@@ -15,16 +16,19 @@ def test_a_workdir_refuses_another_study_or_changed_claims(tmp_path, monkeypatch
     study = reproduce.quick_study()
     reproduce._claim_workdir(study, tmp_path)
     reproduce._claim_workdir(study, tmp_path)  # the same study continues
-    import dataclasses
-
     with pytest.raises(ConfigError, match="other settings"):
         reproduce._claim_workdir(dataclasses.replace(study, seeds=3), tmp_path)
-    from hydrahead_jax.experiments import claims
-
+    claims_file = tmp_path / "claims.json"
+    # a workdir fixed under the first registration continues, amended
+    claims_file.write_text(json.dumps(claims.registered_specs()[0]))
+    reproduce._claim_workdir(study, tmp_path)
+    assert json.loads(claims_file.read_text()) == claims.claims_spec()
+    # a workdir whose claims are no registration of claims.py's is refused, its file kept
     changed = [dict(c, alpha=0.1) for c in claims.claims_spec()]
-    monkeypatch.setattr(claims, "claims_spec", lambda: changed)
+    claims_file.write_text(json.dumps(changed))
     with pytest.raises(ConfigError, match="claims were fixed before"):
         reproduce._claim_workdir(study, tmp_path)
+    assert json.loads(claims_file.read_text()) == changed
 
 
 def test_only_names_parts_and_runs_are_seed_major():
@@ -34,7 +38,8 @@ def test_only_names_parts_and_runs_are_seed_major():
     specs = reproduce.run_specs(study, reproduce.parts_of([]))
     base = [s for s in specs if s.scale == 1.0]
     assert len([s for s in base if s.arm == "head_7to1"]) == 5 and len([s for s in base if s.arm == "all_la"]) == 3
-    assert len(base) == 2 * 5 + 6 * 3 and len(specs) == len(base) + 2 * 3
+    assert len([s for s in base if s.arm == reproduce.GRANULARITY]) == 5  # claim H5's arm, as many as the primary
+    assert len(base) == 3 * 5 + 6 * 3 and len(specs) == len(base) + 2 * 3
     assert [s.seed for s in base] == sorted(s.seed for s in base)  # every arm's first seeds come first
     assert {s.arm for s in reproduce.run_specs(study, ["convergence"])} == set(reproduce.PRIMARY)
     # one primary arm's convergence runs, for two machines or cores sharing a budget's runs
@@ -91,6 +96,12 @@ def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="another study recipe"):
         reproduce.run_study(study, workdir, only=["head_7to1"], merge=[other_study])
     assert not workdir.exists()  # refused before the workdir, the data or the teacher
+    (tmp_path / "claims.json").write_text(json.dumps(theirs | {"claims_hash": "not registered"}))
+    with pytest.raises(ConfigError, match="its claims are neither"):
+        reproduce.merged_records(study, None, [tmp_path / "claims.json"])
+    first = claims.spec_hash(claims.registered_specs()[0])  # a file of the first registration: this study, amended
+    (tmp_path / "first.json").write_text(json.dumps(theirs | {"claims_hash": first}))
+    assert reproduce.merged_records(study, None, [tmp_path / "first.json"]) == {}
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a reproduction's results.json"):
         reproduce.merged_records(study, None, [tmp_path / "bad.json"])
@@ -106,8 +117,9 @@ def test_a_merge_file_of_another_study_is_refused_before_any_work(tmp_path):
 
 
 def test_the_committed_study_merges_and_the_plan_leaves_exactly_the_unrecorded_runs(tmp_path):
-    """The committed reproduction is this study's (it merges, every planned run recorded: nothing left to run); a
-    results set made from it with known runs taken out leaves exactly those runs, in the plan's order."""
+    """The committed reproduction is this study's (it merges, every planned run recorded but those of arms
+    registered after it); a results set made from it with known runs taken out leaves exactly those runs, in the
+    plan's order."""
     committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "reproduction" / "results.json"
     results = json.loads(committed.read_text())
     # the committed study's budgets (its convergence checks reach 8x): the runs it planned
@@ -115,6 +127,8 @@ def test_the_committed_study_merges_and_the_plan_leaves_exactly_the_unrecorded_r
     digest = results["teacher"]["digest"]
     planned = reproduce.run_specs(study, reproduce.parts_of([]))
     records = reproduce.merged_records(study, digest, [committed])
+    recorded_arms = {arm for arm, _, _ in records}
+    planned = [s for s in planned if s.arm in recorded_arms]
     assert len(planned) == 46 and {(r.arm, r.seed, r.scale) for r in planned} <= set(records)
     assert reproduce.unrecorded(planned, records) == []
     taken_out = {("layer_3to1", 1, 2.0), ("head_7to1", 2, 4.0), ("all_la", 0, 1.0), ("head_7to1", 4, 1.0)}
@@ -227,11 +241,13 @@ def test_primary_claim_by_budget_by_hand():
     rows = reproduce.primary_by_budget(records, 64)
     assert [(r["budget"], r["n_seeds"]) for r in rows] == [(1.0, 2), (4.0, 1), (8.0, 1)]
     base, longer, longest = ({c["metric"]: c for c in r["components"]} for r in rows)
-    # x1: recall differences 0.80 and 0.60; two seeds resample to means 0.6 (1/4), 0.7 (1/2), 0.8 (1/4), so the
-    # 95 % percentile interval is [0.6, 0.8]; KL −0.10 on both seeds. Both lie far above −margin: supported.
+    # x1: recall differences 0.80 and 0.60: mean 0.7, s = 0.1 sqrt 2, so the t interval with one degree of
+    # freedom is 0.7 +- tan(0.475 pi) x 0.1, and t = (0.7 + 0.03) / 0.1 = 7.3 gives p = 1/2 − arctan(7.3) / pi
+    # = 0.043 < 0.05; KL −0.10 on both seeds (no spread: p = 0). Supported.
     assert base["mqar64"]["per_seed"] == pytest.approx({"0": 0.80, "1": 0.60})
     assert base["mqar64"]["mean_difference"] == pytest.approx(0.70)
-    assert (base["mqar64"]["ci_low"], base["mqar64"]["ci_high"]) == pytest.approx((0.60, 0.80))
+    half = np.tan(0.475 * np.pi) * 0.1
+    assert (base["mqar64"]["ci_low"], base["mqar64"]["ci_high"]) == pytest.approx((0.7 - half, 0.7 + half))
     assert base["kl"]["mean_difference"] == pytest.approx(-0.10)
     assert rows[0]["decision"] == "supported"
     # x4: one seed, 0.96 − 0.10 and 0.09 − 0.20: its difference without an interval, undecided

@@ -269,6 +269,11 @@ def test_a_grown_model_computes_the_function_of_the_one_it_grew_from(tokenizer):
     assert (o[5] == 0).all() and (o[4] != 0).any()
     moments = grow_layers(params, 4, zero_outputs=False)["layers"]["self_attn"]["o_proj"]["kernel"][...]
     assert (moments[5] == moments[4]).all() and (moments[5] != 0).any()
+    # the block's last copy keeping the work (grown_layer="last"): the same function, the circuit in layers 3 and 7
+    last = grow_layers(params, 4, zero_outputs=True, keep=3)
+    np.testing.assert_array_equal(nnx.merge(big_graph, last, big_rest)(ids), small)
+    o = last["layers"]["self_attn"]["o_proj"]["kernel"][...]
+    assert [bool((o[i] != 0).any()) for i in range(8)] == [False, False, False, True] * 2
 
 
 def test_the_output_projection_starts_at_the_recipes_scale():

@@ -149,10 +149,24 @@ class Study:
     ablation_prompts: int = 8
     ablation_length: int = 384
     require_accepted: bool = True  # stop before the arms when the teacher is not accepted
+    # The KV groups the acceptance ablates (part 4): "probe", the top groups of the probe the head-level arms
+    # use, or "single_ablation", the groups whose ablation alone costs the teacher the most MQAR recall (each of
+    # its groups ablated in turn: a ranking that does not come from the method under test).
+    acceptance_groups: str = "probe"
+    arms: tuple[str, ...] = ()  # the arms this study runs (empty: every arm of ``ARMS``)
 
     @property
     def seq_len(self) -> int:
         return self.teacher.seq_len
+
+    @property
+    def arm_names(self) -> tuple[str, ...]:
+        return self.arms or tuple(ARMS)
+
+    @property
+    def claims(self) -> tuple[claims_mod.Claim, ...]:
+        """The claims whose two arms this study runs (one Holm family)."""
+        return tuple(c for c in claims_mod.CLAIMS if {c.arm_a, c.arm_b} <= set(self.arm_names))
 
     def seeds_of(self, arm: str) -> int:
         return self.seeds if arm in (*PRIMARY, GRANULARITY) else self.other_seeds
@@ -170,13 +184,23 @@ class Study:
 # Study fields that only choose which convergence runs exist ("convergence_scale": its single-budget form, as older
 # workdirs recorded it).
 RUN_SET_FIELDS = ("convergence_seeds", "convergence_scales", "convergence_scale")
+# Settings added after studies were recorded, with the value that behaves as those studies did: left out of the
+# recipe at that value, so a recorded study's digest stays its own.
+LATER_FIELDS = {("acceptance_groups",): "probe", ("arms",): [], ("teacher", "grown_layer"): "first"}
 
 
 def recipe_part(settings: dict[str, Any]) -> dict[str, Any]:
     """Of a study's recorded settings, those that decide how a run trains and is measured and which claims are
     tested: all but ``RUN_SET_FIELDS``, so a later budget can be added beside runs already finished (and results
-    already merged) without invalidating them."""
-    return {k: v for k, v in settings.items() if k not in RUN_SET_FIELDS}
+    already merged) without invalidating them, and without ``LATER_FIELDS`` at their earlier behaviour."""
+    part = json.loads(json.dumps({k: v for k, v in settings.items() if k not in RUN_SET_FIELDS}, default=str))
+    for (*parents, name), value in LATER_FIELDS.items():
+        holder = part
+        for key in parents:
+            holder = holder.get(key, {})
+        if holder.get(name, value) == value:
+            holder.pop(name, None)
+    return part
 
 
 def quick_study() -> Study:
@@ -232,6 +256,29 @@ def quick_study() -> Study:
     )
 
 
+def grown_last_study() -> Study:
+    """The study's second teacher and what runs on it: the first teacher's recipe grown with each block's last
+    copy keeping the shallow model's work (``TeacherRecipe.grown_layer``), so the circuit the curriculum found
+    starts in layers 3 and 7, the layers the periodic layer-wise rule keeps at 3:1 (and layer 7 at 7:1). On it the
+    periodic rule's placement is the grown circuit's, so its layout cannot decide H1 or H2 in head-level
+    selection's favour (the first teacher's can: its circuit starts in layers 0 and 4, which the rule never keeps).
+    Accepted by the groups whose single ablation costs the most recall, not by the probe under test. The primary
+    arms and H5's arm on 5 seeds; no convergence runs."""
+    return Study(
+        teacher=dataclasses.replace(TeacherRecipe(), grown_layer="last"),
+        acceptance_groups="single_ablation",
+        arms=(*PRIMARY, GRANULARITY),
+        convergence_scales=(),
+    )
+
+
+# --teacher: the study of each teacher, and where its committed results live
+TEACHERS = {
+    "grown_first": (Study, Path("bench/results/reproduction")),
+    "grown_last": (grown_last_study, Path("bench/results/reproduction_grown_last")),
+}
+
+
 def check_study(study: Study) -> None:
     """Refuse settings that cannot run before any work: evaluation shapes against the symbols and lengths."""
     ev = study.eval
@@ -250,6 +297,11 @@ def check_study(study: Study) -> None:
         raise ConfigError(f"eval.lengths go up to {max(ev.lengths)}; the study measures up to 2x {study.seq_len}.")
     if study.seeds < 2:
         raise ConfigError("seeds must be >= 2: the claims are paired tests over seeds.")
+    unknown = [a for a in study.arms if a not in ARMS]
+    if unknown or not set(PRIMARY) <= set(study.arm_names):
+        raise ConfigError(f"arms={study.arms}: the arms of ARMS ({', '.join(ARMS)}), the primary ones included.")
+    if study.acceptance_groups not in ("probe", "single_ablation"):
+        raise ConfigError(f"acceptance_groups={study.acceptance_groups!r}: 'probe' or 'single_ablation'.")
     budgets = (1.0, *study.convergence_scales)
     if any(b != 2 * a for a, b in zip(budgets, budgets[1:])):
         raise ConfigError(
@@ -414,7 +466,7 @@ class RunSpec:
 def run_specs(study: Study, parts: list[str]) -> list[RunSpec]:
     """Every run of the chosen parts, seed-major (a study stopped early has every arm at its first seeds)."""
     specs = []
-    arms = [a for a in ARMS if a in parts]
+    arms = [a for a in study.arm_names if a in parts]
     for seed in range(max(study.seeds, study.other_seeds)):
         specs += [RunSpec(a, seed, 1.0) for a in arms if seed < study.seeds_of(a)]
     checked = [a for a in PRIMARY if CONVERGENCE in parts or f"{CONVERGENCE}:{a}" in parts]
@@ -589,9 +641,9 @@ def evaluate(model, teacher_scorer: Scorer | None, data: EvalData) -> dict[str, 
 
 
 def accept_teacher(study: Study, workdir: Path, teacher_folder: Path, data: EvalData, teacher_model) -> dict:
-    """Part 4 (module doc): recall, recall under ablation of the top probe-scored groups and of random ones."""
+    """Part 4 (module doc): recall, recall under ablation of the top groups (by ``study.acceptance_groups``) and
+    of as many random ones."""
     from hydrahead_jax.experiments.small_teacher import ablated_teacher
-    from hydrahead_jax.hybrid import HeadMap
 
     out = workdir / "teacher" / "acceptance.json"
     done = _read_json(out)
@@ -599,20 +651,29 @@ def accept_teacher(study: Study, workdir: Path, teacher_folder: Path, data: Eval
         return done
     pairs = headline_pairs(study)
     cfg = teacher_model.cfg
-    scores = np.asarray(HeadMap.load(workdir / "probe" / "head_map.json").scores["combined"], np.float64)
     k = max(1, cfg.num_layers * cfg.num_kv_heads // 8)  # the 7:1 budget's FA groups
+
+    def recall(model):
+        return mqar_recall(Scorer(model), data.symbols, pairs=pairs, length=study.seq_len, ev=study.eval)["recall"]
+
+    result: dict[str, Any] = {"pairs": pairs, "recall": recall(teacher_model), "ranking": study.acceptance_groups}
+    if study.acceptance_groups == "single_ablation":
+        drops = np.zeros((cfg.num_layers, cfg.num_kv_heads))
+        for layer in range(cfg.num_layers):
+            for group in range(cfg.num_kv_heads):
+                drops[layer, group] = result["recall"] - recall(ablated_teacher(teacher_folder, [(layer, group)]))
+                log(f"acceptance: group {layer}:{group} ablated alone costs {drops[layer, group]:+.3f} recall")
+        result["single_ablation_drops"] = drops.tolist()
+        scores = drops
+    else:
+        from hydrahead_jax.hybrid import HeadMap
+
+        scores = np.asarray(HeadMap.load(workdir / "probe" / "head_map.json").scores["combined"], np.float64)
     flat = np.argsort(-scores.ravel(), kind="stable")[:k]
     top = [(int(i // cfg.num_kv_heads), int(i % cfg.num_kv_heads)) for i in flat]
     rng = np.random.default_rng([study.teacher.seed, 2])
     rand = [(int(i // cfg.num_kv_heads), int(i % cfg.num_kv_heads)) for i in rng.choice(scores.size, k, replace=False)]
-    ev = study.eval
-
-    def recall(model):
-        return mqar_recall(Scorer(model), data.symbols, pairs=pairs, length=study.seq_len, ev=ev)["recall"]
-
-    result = {
-        "pairs": pairs,
-        "recall": recall(teacher_model),
+    result |= {
         "ablated_groups": top,
         "ablated_recall": recall(ablated_teacher(teacher_folder, top)),
         "random_groups": rand,
@@ -648,7 +709,7 @@ def _claim_workdir(study: Study, workdir: Path) -> None:
     mine = study.to_dict()
     theirs = _read_json(recipe_file)
     if theirs is not None and json.dumps(recipe_part(theirs), sort_keys=True) != json.dumps(
-        json.loads(json.dumps(study.recipe_dict(), default=str)), sort_keys=True
+        study.recipe_dict(), sort_keys=True
     ):
         raise ConfigError(
             f"{workdir} holds a study started with other settings ({recipe_file}); rerun with those settings "
@@ -712,8 +773,7 @@ def _run_locked(study: Study, workdir: Path, parts: list[str], merge: list[str |
     specs = unrecorded(planned, done_elsewhere)
     if len(specs) < len(planned):
         log(f"{len(planned) - len(specs)} run(s) of these parts finished in a --merge file: skipped")
-    all_arms = [a for a in ARMS]
-    probe_config = comparison_config(study, paths, folder, 0, 1.0, all_arms)
+    probe_config = comparison_config(study, paths, folder, 0, 1.0, list(study.arm_names))
     head_maps = probe_once(load_variants(probe_config), workdir, comparison_base(probe_config))
     data = EvalData(study, paths, tokenizer)
     teacher_scorer = Scorer(teacher)
@@ -1343,14 +1403,21 @@ def main(argv=None) -> int:
     out = flags.DEFINE_string(
         "out",
         None,
-        "Where results.json, report.md and the plot go (default: bench/results/reproduction, or "
-        "WORKDIR/results with --quick).",
+        "Where results.json, report.md and the plots go (default: the teacher's folder of TEACHERS, "
+        "bench/results/reproduction for the first, or WORKDIR/results with --quick).",
     )
     scales = flags.DEFINE_list(
         "convergence_scales",
         [],
         "Budgets of the convergence check, each twice the one before (default: 2). 2,4 adds a 4x check of the "
         "primary arms beside the 2x runs finished earlier (recorded here or in a --merge file).",
+    )
+    teacher = flags.DEFINE_enum(
+        "teacher",
+        "grown_first",
+        list(TEACHERS),
+        "Which teacher's study: grown_first (the study's first teacher, circuit grown into layers 0 and 4) or "
+        "grown_last (the second, grown into layers 3 and 7: grown_last_study).",
     )
     measure = flags.DEFINE_integer(
         "measure_teacher_steps", 0, "Only measure the teacher's training throughput over this many steps."
@@ -1368,14 +1435,15 @@ def main(argv=None) -> int:
 
         logging.set_verbosity(logging.WARNING)
         use_persistent_cache()
-        study = quick_study() if quick.value else Study()
+        make_study, committed = TEACHERS[teacher.value]
+        study = quick_study() if quick.value else make_study()
         if scales.value:
             try:
                 study = dataclasses.replace(study, convergence_scales=tuple(float(x) for x in scales.value))
             except ValueError:
                 print(f"error: --convergence_scales={','.join(scales.value)}: give numbers, e.g. 2,4", file=sys.stderr)
                 sys.exit(2)
-        target = Path(out.value) if out.value else (None if quick.value else Path("bench/results/reproduction"))
+        target = Path(out.value) if out.value else (None if quick.value else committed)
         try:
             if measure.value:
                 measure_teacher(study, Path(workdir.value).absolute(), measure.value)

@@ -24,7 +24,8 @@ exactly the batches an uninterrupted one would.
    each layer i of the shallow model k consecutive layers i·k … i·k + k - 1 (``grow_layers``): the first a copy,
    the others copies whose output projections (o_proj, down_proj) are zero, so the grown model computes exactly
    the shallow one's function and its new layers start attending as their source layer does; AdamW's moments
-   are copied with the layers. This places the circuit the shallow model found in layers 0, k, 2k, …: the
+   are copied with the layers. This places the circuit the shallow model found in layers 0, k, 2k, … (or, with
+   ``grown_layer="last"``, in layers k - 1, 2k - 1, …: the copy that keeps the work is the block's last): the
    later stages train every layer, and where retrieval ends up is what the study's probe measures.
 2. Mixture (``steps``; its learning rate decays from ``lr`` to lr/10 on a cosine, after a warm-up only when no
    curriculum precedes it): rows of ``seq_len`` tokens of three kinds, in fixed proportions:
@@ -144,8 +145,13 @@ class TeacherRecipe:
     # 8 layers on the same batches to answer accuracy 0.12 vs 0.005 at step 50, and 0.23 vs 0.15 at step 100.
     lm_head_init_scale: float | None = 1.0
     checkpoint_every: int = 100
+    # Which copy of a grown layer keeps its output projections ("first" or "last" of its block, ``grow_layers``):
+    # where the shallow model's circuit sits in the grown one (layers 0, k, ... or k - 1, 2k - 1, ...).
+    grown_layer: str = "first"
 
     def __post_init__(self):
+        if self.grown_layer not in ("first", "last"):
+            raise ValueError(f"TeacherRecipe: grown_layer={self.grown_layer!r} must be 'first' or 'last'.")
         if not 0 <= self.mqar_fraction + self.needle_fraction <= 1:
             raise ValueError("TeacherRecipe: mqar_fraction + needle_fraction must lie in [0, 1].")
         if self.seq_len < 4 * self.max_pairs:
@@ -391,13 +397,14 @@ def init_teacher(recipe: TeacherRecipe, vocab_rows: int, num_layers: int | None 
 OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
 
 
-def grow_layers(tree, factor: int, *, zero_outputs: bool):
+def grow_layers(tree, factor: int, *, zero_outputs: bool, keep: int = 0):
     """Each layer of the stacked layers in ``tree`` (parameters, or an optimiser state holding their moments)
     becomes ``factor`` consecutive layers: layer i -> layers i·factor … i·factor + factor - 1, copies of it. With
-    ``zero_outputs`` (parameters) every copy but the first has zero output projections, so it adds nothing to the
-    residual stream and the grown model computes exactly the function of the original: the first copy keeps the
-    layer's work, the others start as identity maps that already attend as the layer does. Moments are copied
-    whole: a new layer's first updates are scaled by its source layer's gradient statistics."""
+    ``zero_outputs`` (parameters) every copy but copy ``keep`` of each block has zero output projections, so it
+    adds nothing to the residual stream (a pre-norm layer with zero o_proj and down_proj is the identity) and the
+    grown model computes exactly the function of the original: copy ``keep`` does the layer's work, the others
+    start as identity maps that already attend as the layer does. Moments are copied whole: a new layer's first
+    updates are scaled by its source layer's gradient statistics."""
     import jax
     import jax.numpy as jnp
 
@@ -407,8 +414,8 @@ def grow_layers(tree, factor: int, *, zero_outputs: bool):
             return leaf
         grown = jnp.repeat(leaf, factor, axis=0)
         if zero_outputs and any(f"['{proj}']" in name for proj in OUTPUT_PROJECTIONS):
-            first = (jnp.arange(grown.shape[0]) % factor == 0).reshape((-1,) + (1,) * (grown.ndim - 1))
-            grown = jnp.where(first, grown, jnp.zeros_like(grown))
+            kept = (jnp.arange(grown.shape[0]) % factor == keep).reshape((-1,) + (1,) * (grown.ndim - 1))
+            grown = jnp.where(kept, grown, jnp.zeros_like(grown))
         return grown
 
     return jax.tree_util.tree_map_with_path(grow, tree)
@@ -537,7 +544,8 @@ def train_teacher(recipe: TeacherRecipe, tokenizer, train_texts: list[str], work
             if step < recipe.total_steps and recipe.depth_at(step) > depth:
                 factor, depth = recipe.depth_at(step) // depth, recipe.depth_at(step)
                 graphdef, _, rest = init_teacher(recipe, tokenizer.vocab_size, depth)
-                params = grow_layers(params, factor, zero_outputs=True)
+                keep = 0 if recipe.grown_layer == "first" else factor - 1
+                params = grow_layers(params, factor, zero_outputs=True, keep=keep)
                 opt_state = grow_layers(opt_state, factor, zero_outputs=False)
                 mixture_step, recall_step = train_steps(graphdef, rest)
                 log(f"[teacher] grown to {depth} layers at step {step} (each layer into {factor})")
