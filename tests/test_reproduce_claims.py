@@ -121,7 +121,10 @@ def test_spec_hash_is_the_committed_studys_and_moves_with_any_claim_setting(monk
     wider = dataclasses.replace(h1, components=(claims.Component("mqar64", 0.04), *h1.components[1:]))
     reworded = dataclasses.replace(h1, statement=h1.statement + " ")
     changed_first = [dataclasses.replace(first, claims=c) for c in ((wider, *rest), (reworded, *rest), (*rest, h1))]
-    for registrations in (*[(c, amendment) for c in changed_first], (first, dataclasses.replace(amendment, rule="bootstrap"))):
+    for registrations in (
+        *[(c, amendment) for c in changed_first],
+        (first, dataclasses.replace(amendment, rule="bootstrap")),
+    ):
         with monkeypatch.context() as m:
             m.setattr(claims, "REGISTRATIONS", registrations)
             assert claims.spec_hash() != pinned
