@@ -19,7 +19,7 @@ fusion; HybridConfig.la_window). Variants join with "+": "streaming64+yarn4" is 
 heads take YaRN x4 in stage 3.
 """
 
-from configs.common import base, stage
+from configs.common import base, measured_conversion, stage
 
 
 def get_config(arg: str | None = None):
@@ -29,33 +29,6 @@ def get_config(arg: str | None = None):
     c.selection.method = "combined"
     c.selection.ratio = "7:1"
     c.selection.allocation = "global"
-    # Fusion scales fitted by least squares with a per-channel offset μ (hybrid/fusion.py) instead of the paper's
-    # γ = the teacher head's output RMS: on this teacher it starts far closer (KL(teacher ‖ student) on held-out
-    # news at init 7.3 → 2.45 nats/token) and stays ahead after every stage at the same budget (held-out KL after
-    # stages 1 / 2 / 3: 3.33 / 1.92 / 1.87 with the paper's init, 2.13 / 1.70 / 1.64 fitted; bench/RESULTS.md).
-    c.hybrid.fusion_init = "fit"
-    c.hybrid.fusion_bias = True
-    # The kept FA heads pass through as the teacher's (fusion la_scale, HybridConfig's default) and each LA head's
-    # decay and β start from its teacher head's attention distance and entropy (gdn_init="teacher", the β offset a
-    # trained per-head parameter; dt up to 1.0 so heads that read the last few tokens get short memories). Measured
-    # at init on held-out news (bench/RESULTS.md "Initialisation"): KL(teacher ‖ student) 2.23 nats/token, top-1
-    # 25.0 %, against 2.45 / 21.4 % for fusion "both" with the spread GDN init (the recipe before) and 2.59 / 21.5 %
-    # for la_scale alone. Trained through by `make demo` (2026-12-02, one run): held-out news KL 1.15 and top-1 48 %
-    # at the end against 1.42 / 40 % for the recipe before; the equal-budget comparison of each change alone is
-    # configs/compare_recipe_smollm2.py.
-    c.hybrid.fusion = "la_scale"
-    c.hybrid.gdn_init = "teacher"
-    c.hybrid.gdn_beta_bias = True
-    c.hybrid.gdn_dt_max = 1.0
-    # The rest of issue 29's winners, measured together at the comparison's budget on two data orders
-    # (configs/compare_recipe_smollm2.py "winners", bench/RESULTS.md "Paired intervals"): news KL −0.385 [−0.442,
-    # −0.293] and −0.404 [−0.503, −0.291] from the recipe before, closer than every single change and than all of
-    # them together. Stage 1 learns the LA heads' matching: identity-initialised per-head maps on their q and k
-    # (gdn_qk_map) and the LA groups' slices of the copied q/k/v at 0.1 · lr (train "new+la_qkv"; the FA groups' stay
-    # the teacher's); every stage warms up over 10 % of its steps from 0.1 · lr; stage 3's synthetic rows carry the
-    # loss over the whole row.
-    c.hybrid.gdn_qk_map = True
-    warmup = {"warmup_fraction": 0.1, "warmup_start_ratio": 0.1}
     # Held-out evaluation: 2048 validation tokens per stage (8 x 256, 4 x 512, 2 x 1024), so the three stages' KL and
     # top-1 are equally precise; evaluated in groups of one training micro-batch (no more memory than a step). Points:
     # 5 in stages 1-2 (every 25 / 10 steps) and 3 in stage 3 (every 10 of 20): one evaluation costs about one
@@ -66,10 +39,7 @@ def get_config(arg: str | None = None):
         seq_len=256,
         batch_size=4,
         lr=1e-3,
-        **warmup,
         end_lr_ratio=0.1,
-        train="new+la_qkv",
-        lr_scale_attention=0.1,
         checkpoint_every=25,
         loss_chunk=256,
         heldout_rows=8,
@@ -83,7 +53,6 @@ def get_config(arg: str | None = None):
         seq_len=512,
         batch_size=2,
         lr=2e-4,
-        **warmup,
         end_lr_ratio=0.1,
         train="all",
         checkpoint_every=20,
@@ -98,18 +67,20 @@ def get_config(arg: str | None = None):
         seq_len=1024,
         batch_size=1,
         lr=5e-5,
-        **warmup,
         end_lr_ratio=0.2,
         train="all",
         ce_weight=1.0,
         synthetic_rate=0.25,
-        synthetic_loss="full",
         checkpoint_every=10,
         loss_chunk=256,
         remat=True,
         heldout_rows=2,
         heldout_every=10,
     )
+    # Fitted fusion, teacher-derived GDN init, stage 1's matching and the warm-up fraction (measured on this
+    # teacher: measured_conversion's docstring). Trained through by `make demo` (2026-12-02, one run, the fusion
+    # and GDN init): held-out news KL 1.15 and top-1 48 % at the end against 1.42 / 40 % for the recipe before.
+    measured_conversion(c)
     for part in (arg or "").split("+"):
         _variant(c, part)
     return c
