@@ -17,7 +17,7 @@ WORKDIR ?= runs/smollm2_demo
 DEMO_CONFIG ?= configs/smollm2_hydrahead.py:streaming64
 PYTEST_ARGS ?=
 
-.PHONY: demo compare reproduce test test-all lint format install install-dev libtpu bench gpu-check clean-venv
+.PHONY: demo demo-eval-full compare reproduce test test-all lint format install install-dev libtpu bench gpu-check clean-venv
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.12 found; see the message above." >&2; exit 1; }
@@ -60,6 +60,10 @@ demo: $(VENV)/.installed
 	@echo ""
 	@echo "Done. Head map: $(WORKDIR)/head_map.json (heatmap: $(WORKDIR)/selection/head_scores.png)   model: $(WORKDIR)/final/"
 	@echo "Metrics: $(WORKDIR)/metrics.jsonl (TensorBoard: $(WORKDIR)/tensorboard)   evaluation: $(WORKDIR)/eval/report.md"
+
+# The demo's student evaluated at full power: 100 NIAH and 50 passkey prompts per length (about 50 minutes here).
+demo-eval-full: $(VENV)/.installed
+	$(PY) eval.py --model $(WORKDIR)/final --model teacher:smollm2-135m --suite demo --samples 50 --out $(WORKDIR)/eval_full
 
 # Resumable: rerun the same command after an interruption; finished variants are skipped.
 COMPARE_DIR ?= runs/compare

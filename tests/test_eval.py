@@ -195,6 +195,19 @@ def test_cli_errors_come_before_any_model_loads(world, tmp_path, monkeypatch, ca
     assert rc == 2 and "unknown suite 'bogus'" in capsys.readouterr().err
     rc = cli.main(["--model", str(world["teacher_dir"]), "--depths", "0,2", "--out", str(tmp_path / "o")])
     assert rc == 2 and "every depth must lie in [0, 1]" in capsys.readouterr().err
+    rc = cli.main(
+        [
+            "--model",
+            str(world["teacher_dir"]),
+            "--ppl-windows",
+            "4",
+            "--window-split",
+            "4",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert rc == 2 and "leaves no window after it" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -429,6 +442,37 @@ def test_eval_cli_end_to_end_with_teacher_student_and_a_skipped_length(world, tm
         "efficiency_vs_length.png",
     ):
         assert _is_png(out / png), png
+
+
+def test_windows_reported_apart_recombine_into_the_whole(world, tmp_path):
+    """--window-split 2 of 4 windows: each group's KL and top-1 are the means of its windows' own values in the
+    whole cell's record (equal windows, so the pooled mean), its perplexity recombines with the other group's into
+    the whole cell's (geometric mean over equal token counts), and the report shows the groups as sources."""
+    out = tmp_path / "eval"
+    args = ["--model", f"teacher:{world['teacher_dir']}", "--model", f"student={world['student_dir']}"]
+    args += ["--suite", "ppl,agreement", "--ppl-lengths", "64", "--ppl-windows", "4", "--window-split", "2"]
+    args += ["--text", f"a={world['root'] / 'a.txt'}", "--out", str(out), "--no-progress"]
+    assert cli.main(args) == 0
+    recs = json.loads((out / "results.json").read_text())["results"]
+
+    def one(**kw):
+        (r,) = [r for r in recs if all(r.get(k) == v for k, v in kw.items())]
+        return r
+
+    for metric in ("kl", "top1"):
+        whole = one(model="student", task="agreement", metric=metric, source="a")
+        assert whole["windows"] == 4
+        for label, part in (("a, windows 0-1", slice(0, 2)), ("a, windows 2-3", slice(2, 4))):
+            group = one(model="student", task="agreement", metric=metric, source=label)
+            assert group["windows"] == 2 and group["positions"] == 2 * 64  # as the whole cell: 64 per window
+            assert group["value"] == pytest.approx(np.mean(whole["window_values"][part]), rel=1e-12)
+    for model in ("teacher:tiny", "student"):
+        whole = one(model=model, task="ppl", source="a")
+        first, second = (one(model=model, task="ppl", source=f"a, windows {w}") for w in ("0-1", "2-3"))
+        assert math.exp((math.log(first["value"]) + math.log(second["value"])) / 2) == pytest.approx(
+            whole["value"], rel=1e-9
+        )
+    assert "| a, windows 2-3 @ 64 |" in (out / "report.md").read_text()
 
 
 def test_suite_on_an_exported_hybrid_reports_constant_state_and_lengths_beyond_training(world, tmp_path):

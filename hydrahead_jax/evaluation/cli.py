@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="prompts per retrieval cell")
     p.add_argument("--ruler-samples", type=int, default=None, help="prompts per RULER task and length (default 50)")
     p.add_argument("--ppl-windows", type=int, default=None, help="windows per (source, length)")
+    p.add_argument(
+        "--window-split",
+        type=int,
+        default=None,
+        help="also report perplexity and agreement over windows [0, N) and [N, ppl-windows) apart",
+    )
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per efficiency point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--needle-type", default="number", choices=("number", "word", "uuid"))
@@ -148,7 +154,7 @@ def settings_from_args(args) -> Settings | None:
             raise SuiteError(f"--depths {args.depths!r}: write fractions like 0,0.5,1.") from None
         if not depths or any(not 0 <= d <= 1 for d in depths):
             raise SuiteError(f"--depths {args.depths!r}: every depth must lie in [0, 1].")
-    for flag in ("samples", "ruler_samples", "ppl_windows", "decode_steps", "mesh_sequence"):
+    for flag in ("samples", "ruler_samples", "ppl_windows", "window_split", "decode_steps", "mesh_sequence"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SuiteError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     texts = None
@@ -170,6 +176,7 @@ def settings_from_args(args) -> Settings | None:
         ruler_samples=args.ruler_samples,
         ruler_lengths=lengths,
         ppl_windows=args.ppl_windows,
+        window_split=args.window_split,
         decode_steps=args.decode_steps,
         seed=args.seed,
         needle_type=args.needle_type,
@@ -181,16 +188,23 @@ def settings_from_args(args) -> Settings | None:
     ppl_lengths = parse_lengths(args.ppl_lengths) if args.ppl_lengths else lengths
     eff_lengths = parse_lengths(args.efficiency_lengths) if args.efficiency_lengths else lengths
     if demo:
-        return Settings.demo(
+        settings = Settings.demo(
             retrieval_lengths=lengths, ppl_lengths=ppl_lengths, efficiency_lengths=eff_lengths, **common
         )
-    lengths = lengths or parse_lengths("1k,2k,4k")
-    return Settings(
-        **{k: v for k, v in common.items() if v is not None},
-        retrieval_lengths=lengths,
-        ppl_lengths=ppl_lengths or lengths,
-        efficiency_lengths=eff_lengths or lengths,
-    )
+    else:
+        lengths = lengths or parse_lengths("1k,2k,4k")
+        settings = Settings(
+            **{k: v for k, v in common.items() if v is not None},
+            retrieval_lengths=lengths,
+            ppl_lengths=ppl_lengths or lengths,
+            efficiency_lengths=eff_lengths or lengths,
+        )
+    if settings.window_split >= settings.ppl_windows:
+        raise SuiteError(
+            f"--window-split {settings.window_split} leaves no window after it of --ppl-windows "
+            f"{settings.ppl_windows}: give a split below the window count."
+        )
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,87 @@ MEMORY_NOTE = (
 # ------------------------------------------------------------------------------------------------ aggregation
 
 
+def _text_records(model: str, source: str, length: int, parts: dict, teacher: str | None, beyond) -> list[dict]:
+    """Perplexity and agreement records of one (model, held-out source, length) cell from its per-window parts."""
+    records: list[dict] = []
+    base = {
+        "model": model,
+        "source": source,
+        "length": length,
+        "n": len(parts["window"]),
+        "windows": list(parts["window"]),
+        "seed": None,
+        "beyond_train_length": beyond(model, length),
+    }
+    if parts["nll"]:
+        nll = np.concatenate(parts["nll"])
+        tail = np.concatenate([x[-max(1, len(x) // 4) :] for x in parts["nll"]])
+        records.append(
+            {
+                **base,
+                "task": "ppl",
+                "metric": "perplexity",
+                "value": float(math.exp(nll.mean())),
+                "ppl_tail": float(math.exp(tail.mean())),
+                "tokens": int(nll.size),
+            }
+        )
+    if parts["top1"]:
+        top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
+        # bootstrap over windows (rows), each weighted by its token count
+        sizes = [len(x) for x in parts["top1"]]
+        row_ci, row_means = {}, {}
+        for name in ("top1", "kl"):
+            row_means[name] = [float(np.mean(x)) for x in parts[name]]
+            ci = bootstrap_interval(row_means[name], sizes)
+            row_ci[name] = None if ci is None else list(ci)
+        records.append(
+            {
+                **base,
+                "task": "agreement",
+                "metric": "top1",
+                "value": float(top1.mean()),
+                "ci95": row_ci["top1"],
+                "window_values": row_means["top1"],  # per window, in window order: for paired comparisons
+                "teacher": teacher,
+                "positions": int(top1.size),
+                "windows": len(sizes),
+            }
+        )
+        records.append(
+            {
+                **base,
+                "task": "agreement",
+                "metric": "kl",
+                "value": float(kl.mean()),
+                "ci95": row_ci["kl"],
+                "window_values": row_means["kl"],
+                "teacher": teacher,
+                "positions": int(kl.size),
+                "windows": len(sizes),
+                "unit": "nats, KL(teacher || model)",
+            }
+        )
+
+    return records
+
+
+def _window_groups(source: str, parts: dict, split: int) -> list[tuple[str, dict]]:
+    """With ``split`` > 0, the cell's windows before ``split`` and from it on, each as its own source label
+    ("news, windows 0-7"): results of windows some choice was made on, apart from windows it never saw."""
+    if split <= 0:
+        return []
+    groups = []
+    for keep in (lambda w: w < split, lambda w: w >= split):
+        index = [i for i, w in enumerate(parts["window"]) if keep(w)]
+        if not index:
+            continue
+        sub = {k: [v[i] for i in index] if len(v) == len(parts["window"]) else [] for k, v in parts.items()}
+        first, last = sub["window"][0], sub["window"][-1]
+        groups.append((f"{source}, windows {first}-{last}", sub))
+    return groups
+
+
 def aggregate(suite) -> list[dict]:
     """One record per number: model, task, metric, value, and the settings that produced it."""
     models = {m.name: m for m in suite.models}
@@ -69,66 +150,11 @@ def aggregate(suite) -> list[dict]:
             rec["depth"] = depth
         records.append(rec)
 
+    teacher = None if suite.teacher is None else suite.teacher.name
     for (model, source, length), parts in sorted(suite.text_parts.items()):
-        base = {
-            "model": model,
-            "source": source,
-            "length": length,
-            "n": len(parts["window"]),
-            "windows": list(parts["window"]),
-            "seed": None,
-            "beyond_train_length": beyond(model, length),
-        }
-        if parts["nll"]:
-            nll = np.concatenate(parts["nll"])
-            tail = np.concatenate([x[-max(1, len(x) // 4) :] for x in parts["nll"]])
-            records.append(
-                {
-                    **base,
-                    "task": "ppl",
-                    "metric": "perplexity",
-                    "value": float(math.exp(nll.mean())),
-                    "ppl_tail": float(math.exp(tail.mean())),
-                    "tokens": int(nll.size),
-                }
-            )
-        if parts["top1"]:
-            teacher = suite.teacher.name
-            top1, kl = np.concatenate(parts["top1"]), np.concatenate(parts["kl"])
-            # bootstrap over windows (rows), each weighted by its token count
-            sizes = [len(x) for x in parts["top1"]]
-            row_ci, row_means = {}, {}
-            for name in ("top1", "kl"):
-                row_means[name] = [float(np.mean(x)) for x in parts[name]]
-                ci = bootstrap_interval(row_means[name], sizes)
-                row_ci[name] = None if ci is None else list(ci)
-            records.append(
-                {
-                    **base,
-                    "task": "agreement",
-                    "metric": "top1",
-                    "value": float(top1.mean()),
-                    "ci95": row_ci["top1"],
-                    "window_values": row_means["top1"],  # per window, in window order: for paired comparisons
-                    "teacher": teacher,
-                    "positions": int(top1.size),
-                    "windows": len(sizes),
-                }
-            )
-            records.append(
-                {
-                    **base,
-                    "task": "agreement",
-                    "metric": "kl",
-                    "value": float(kl.mean()),
-                    "ci95": row_ci["kl"],
-                    "window_values": row_means["kl"],
-                    "teacher": teacher,
-                    "positions": int(kl.size),
-                    "windows": len(sizes),
-                    "unit": "nats, KL(teacher || model)",
-                }
-            )
+        records += _text_records(model, source, length, parts, teacher, beyond)
+        for label, sub in _window_groups(source, parts, suite.settings.window_split):
+            records += _text_records(model, label, length, sub, teacher, beyond)
 
     for e in suite.efficiency:
         base = {
