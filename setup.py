@@ -41,6 +41,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12",
     packages=find_packages(include=["hydrahead_jax", "hydrahead_jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    # lm-eval task YAMLs and their loader (hydrahead_jax.evaluation.news_tasks), read by path, not imported
+    package_data={"hydrahead_jax": ["evaluation/lm_eval_tasks/*.yaml", "evaluation/lm_eval_tasks/*.py"]},
     py_modules=[],
     install_requires=CORE,
     extras_require={

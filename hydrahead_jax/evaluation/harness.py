@@ -287,21 +287,22 @@ class HydraHeadLM(TemplateLM):
 
 
 def task_manager(tasks: list[str], include_path: str | None = None):
-    """lm-eval's TaskManager for ``tasks``: over ``include_path`` alone when it holds every one of them (indexing
-    lm-eval's own ~15k task files takes ~25 s on 2 cores), else over both. An unknown task is a HarnessError."""
+    """lm-eval's TaskManager for ``tasks``: over this package's tasks (``news_tasks.TASKS_DIR``) and
+    ``include_path`` alone when they hold every one of them (indexing lm-eval's own ~15k task files takes ~25 s on
+    2 cores), else over lm-eval's too. An unknown task is a HarnessError."""
     from lm_eval.tasks import TaskManager
 
-    manager = None
-    if include_path is not None:
-        manager = TaskManager(include_path=include_path, include_defaults=False)
-        if len(manager.match_tasks(tasks)) < len(tasks):
-            manager = None
-    manager = manager or TaskManager(include_path=include_path)
+    from hydrahead_jax.evaluation.news_tasks import TASKS_DIR
+
+    paths = [str(TASKS_DIR)] + ([include_path] if include_path is not None else [])
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if len(manager.match_tasks(tasks)) < len(tasks):
+        manager = TaskManager(include_path=paths)
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known and not manager.match_tasks([t])]
     if unknown:
         where = f" nor under --include-path {include_path}" if include_path else " (local tasks: --include-path DIR)"
-        raise HarnessError(f"lm-eval knows no task {', '.join(unknown)} among its own{where}.")
+        raise HarnessError(f"lm-eval knows no task {', '.join(unknown)} among its own or ours{where}.")
     return manager
 
 
