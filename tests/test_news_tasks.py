@@ -75,11 +75,12 @@ class _Oracle:
                     out.append((0.0 if known == right else -10.0, known == right))
                 return out
 
+            # LM's other request types: the news tasks send loglikelihood requests only
             def loglikelihood_rolling(self, requests, disable_tqdm=False):
-                raise NotImplementedError
+                raise AssertionError("the news tasks sent a loglikelihood_rolling request")
 
             def generate_until(self, requests, disable_tqdm=False):
-                raise NotImplementedError
+                raise AssertionError("the news tasks sent a generate_until request")
 
         return Oracle()
 
